@@ -1,0 +1,119 @@
+"""Token estimation (ADR-0020 decision 11): the prefix is measured exactly, the body estimated conservatively.
+
+Core never imports tiktoken: it receives a `TokenCounter`. tiktoken is not every provider's tokenizer
+(Claude counts 1.0-1.45x more), so each model profile carries a calibration ratio learned from the usage
+every response reports, and body estimates add a 5% safety margin on top.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TokenCounter(Protocol):
+    def count(self, text: str) -> int: ...
+
+
+class ModelProfile(BaseModel):
+    """What the estimator knows about one model route."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    provider: str = "scripted"
+    model: str = "scripted-1"
+    encoding: str = "cl100k_base"
+    per_message_tokens: int = Field(default=4, ge=0)
+    per_tool_tokens: int = Field(default=8, ge=0)
+    request_overhead_tokens: int = Field(default=3, ge=0)
+    safety_margin: float = Field(default=0.05, ge=0, le=1)
+    calibration: float = Field(default=1.0, gt=0)
+    min_cacheable_tokens: int = Field(default=1_024, ge=0)
+    context_window: int = Field(default=200_000, gt=0)
+
+    @property
+    def route(self) -> str:
+        return f"{self.provider}/{self.model}"
+
+
+# Starting points per provider. A provider whose tokenizer differs from the encoding starts at the top of
+# its known ratio range (conservative by construction) and learns downwards from reported usage.
+DEFAULT_PROFILES: dict[str, ModelProfile] = {
+    "scripted": ModelProfile(),
+    "openai": ModelProfile(provider="openai", model="gpt-4o", encoding="o200k_base", context_window=128_000),
+    "anthropic": ModelProfile(
+        provider="anthropic",
+        model="claude-sonnet-4",
+        calibration=1.45,
+        per_message_tokens=5,
+        min_cacheable_tokens=1_024,
+        context_window=200_000,
+    ),
+}
+
+
+class Reconciliation(BaseModel):
+    """What one response's usage said about the estimate."""
+
+    model_config = ConfigDict(frozen=True)
+
+    estimated_tokens: int
+    actual_tokens: int
+    error_tokens: int  # estimate - actual: negative is an underestimate (an overrun)
+    overrun: bool
+    observed_ratio: float
+    calibration_before: float
+    calibration_after: float
+
+
+class TokenEstimator:
+    """Applies a profile to counts from a TokenCounter. Deterministic: same counts, same estimates."""
+
+    # How fast the ratio relaxes downwards after an overestimate; upward moves are immediate.
+    RELAX = 0.1
+
+    def __init__(self, profile: ModelProfile, counter: TokenCounter) -> None:
+        self.profile = profile
+        self.counter = counter
+
+    def count(self, text: str) -> int:
+        return self.counter.count(text)
+
+    def prefix_tokens(self, raw_tokens: int, tools: int = 0) -> int:
+        """Exact count of the prefix bytes, in the provider's units."""
+        p = self.profile
+        return math.ceil((raw_tokens + tools * p.per_tool_tokens + p.request_overhead_tokens) * p.calibration)
+
+    def body_unit(self) -> float:
+        """Multiplier from raw counted tokens to conservative estimated body tokens."""
+        return self.profile.calibration * (1.0 + self.profile.safety_margin)
+
+    def body_tokens(self, raw_tokens: int, messages: int) -> int:
+        return math.ceil((raw_tokens + messages * self.profile.per_message_tokens) * self.body_unit())
+
+
+def reconcile(
+    profile: ModelProfile, *, raw_tokens: int, estimated_tokens: int, actual_tokens: int
+) -> tuple[ModelProfile, Reconciliation]:
+    """Learn the calibration from a response's reported input tokens.
+
+    `raw_tokens` is the counter's count of the whole request with overheads, before calibration. A higher
+    observed ratio is adopted at once (estimates must stay at or above actual usage); a lower one is
+    approached slowly, so one short reply cannot swing the estimator into underestimating.
+    """
+    observed = actual_tokens / raw_tokens if raw_tokens > 0 else profile.calibration
+    before = profile.calibration
+    after = observed if observed > before else before + TokenEstimator.RELAX * (observed - before)
+    after = round(after, 6)
+    record = Reconciliation(
+        estimated_tokens=estimated_tokens,
+        actual_tokens=actual_tokens,
+        error_tokens=estimated_tokens - actual_tokens,
+        overrun=estimated_tokens < actual_tokens,
+        observed_ratio=round(observed, 6),
+        calibration_before=before,
+        calibration_after=after,
+    )
+    return profile.model_copy(update={"calibration": after}), record

@@ -1,0 +1,107 @@
+"""What build() returns: the ordered segments, the figures, the yields and the status (ADR-0020 decision 10)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.items import BudgetClass, Region, Role, TrustLevel
+
+
+class Segment(BaseModel):
+    """One rendered item in its assembly position."""
+
+    model_config = ConfigDict(frozen=True)
+
+    item_id: str
+    kind: str
+    region: Region
+    budget_class: BudgetClass
+    role: Role
+    trust: TrustLevel
+    text: str
+    raw_tokens: int
+    call_id: str | None = None
+
+
+class YieldStep(StrEnum):
+    RECALL_DROPPED = "recall_dropped"
+    TOOL_RESULTS_TO_POINTERS = "tool_results_to_pointers"
+
+
+class YieldApplied(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    step: YieldStep
+    reason: str  # "cap" (the class was over its own cap) or "pressure" (the request was over the window)
+    item_ids: list[str]
+    tokens_freed: int
+
+
+class PlanStatus(StrEnum):
+    FITS = "fits"
+    NEEDS_COMPACTION = "needs_compaction"
+
+
+class PlanSummary(BaseModel):
+    """The small, history-safe view of a plan: what workflows, the UI and `inspect` carry."""
+
+    model_config = ConfigDict(frozen=True)
+
+    epoch: int
+    prefix_sha256: str
+    request_sha256: str
+    status: PlanStatus
+    deficit_tokens: int
+    estimated_tokens: int
+    raw_tokens: int
+    input_limit: int
+    prefix_tokens: int
+    body_tokens: int
+    tokens_by_class: dict[str, int]
+    yields: list[YieldApplied] = Field(default_factory=list)
+    segments: int
+    pointers: int
+
+
+class ContextPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    epoch: int
+    prefix_sha256: str
+    request_sha256: str
+    segments: list[Segment]
+    prefix_text: str
+    body_text: str
+    status: PlanStatus
+    deficit_tokens: int
+    estimated_tokens: int
+    raw_tokens: int
+    input_limit: int
+    prefix_tokens: int
+    body_tokens: int
+    tokens_by_class: dict[str, int]
+    yields: list[YieldApplied]
+
+    @property
+    def text(self) -> str:
+        return self.prefix_text + self.body_text
+
+    def summary(self) -> PlanSummary:
+        return PlanSummary(
+            epoch=self.epoch,
+            prefix_sha256=self.prefix_sha256,
+            request_sha256=self.request_sha256,
+            status=self.status,
+            deficit_tokens=self.deficit_tokens,
+            estimated_tokens=self.estimated_tokens,
+            raw_tokens=self.raw_tokens,
+            input_limit=self.input_limit,
+            prefix_tokens=self.prefix_tokens,
+            body_tokens=self.body_tokens,
+            tokens_by_class=self.tokens_by_class,
+            yields=self.yields,
+            segments=len(self.segments),
+            pointers=sum(1 for s in self.segments if s.kind == "elided_span"),
+        )

@@ -1,0 +1,125 @@
+"""Decisions 3 and 10: build() is pure, and no Region B input can change the prefix bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.budget import ContextBudget
+from core.build import BodyInputs, RenderCache, build
+from core.items import CorrectionLine, CurrentUserMessage, RecallItem, TurnContext, UserMessage, WorkingStateBlock
+from core.plan import PlanStatus
+from tests.unit import factories as f
+
+BUDGET = ContextBudget()
+PREFIX = f.prefix()
+
+
+def _build(body: BodyInputs, cache: RenderCache | None = None):  # type: ignore[no-untyped-def]
+    return build(PREFIX, body, budget=BUDGET, estimator=f.estimator(), secret=f.SECRET, cache=cache)
+
+
+body_text = st.text(min_size=0, max_size=200)
+
+
+class TestPurity:
+    def test_same_inputs_same_bytes(self) -> None:
+        """Two builds of the same inputs give identical bytes and hashes."""
+        a, b = _build(f.body(8)), _build(f.body(8))
+        assert a.text == b.text and a.request_sha256 == b.request_sha256 and a.prefix_sha256 == b.prefix_sha256
+
+    def test_cache_never_changes_the_result(self) -> None:
+        """A warm cache, a cold cache and no cache give the same plan."""
+        cache = RenderCache(f.SECRET)
+        _build(f.body(3), cache)
+        warm = _build(f.body(8), cache)
+        cold = _build(f.body(8))
+        assert warm.model_dump() == cold.model_dump()
+
+    def test_cache_detects_a_changed_item_with_the_same_id(self) -> None:
+        """An item with a reused id but new content is rendered anew, not served stale."""
+        cache = RenderCache(f.SECRET)
+        body = f.body(1)
+        _build(body, cache)
+        changed = body.model_copy(update={"current": CurrentUserMessage(id="current", seq=body.current.seq, text="other")})
+        assert "other" in _build(changed, cache).text
+
+    def test_each_item_is_rendered_once(self) -> None:
+        """Across builds, each distinct item is rendered and counted once."""
+        cache = RenderCache(f.SECRET)
+        _build(f.body(5), cache)
+        size = len(cache)
+        _build(f.body(5), cache)
+        assert len(cache) == size
+
+    def test_request_hash_is_sha256_of_the_bytes(self) -> None:
+        """request_sha256 is the SHA-256 of the whole request text; prefix_sha256 of the prefix."""
+        plan = _build(f.body(2))
+        assert plan.request_sha256 == hashlib.sha256(plan.text.encode()).hexdigest()
+        assert plan.prefix_sha256 == hashlib.sha256(plan.prefix_text.encode()).hexdigest()
+
+
+class TestPrefixStability:
+    @given(
+        current=body_text,
+        clock=body_text,
+        ws=body_text,
+        recall=st.lists(body_text, max_size=4),
+        corrections=st.lists(body_text, max_size=3),
+        turns=st.integers(min_value=0, max_value=6),
+    )
+    @settings(max_examples=60, deadline=None)
+    def test_region_b_never_changes_prefix(
+        self, current: str, clock: str, ws: str, recall: list[str], corrections: list[str], turns: int
+    ) -> None:
+        """Whatever the Region B inputs, the prefix bytes and hash are those of the frozen prefix."""
+        hist = f.history(turns)
+        seq = hist[-1].seq + 1 if hist else 0
+        body = BodyInputs(
+            history=hist,
+            turn_start_seq=seq,
+            current=CurrentUserMessage(id="cur", seq=seq, text=current),
+            turn_context=TurnContext(id="clock", text=clock),
+            working_state=WorkingStateBlock(id="ws", text=ws),
+            recall=[RecallItem(id=f"r{i}", memory_id=f"m{i}", rank=i, text=t) for i, t in enumerate(recall)],
+            corrections=[CorrectionLine(id=f"c{i}", memory_id=f"m{i}", text=t) for i, t in enumerate(corrections)],
+        )
+        plan = _build(body)
+        assert plan.prefix_text == PREFIX.text
+        assert plan.prefix_sha256 == PREFIX.sha256
+        assert plan.text.startswith(PREFIX.text)
+
+    def test_clock_crossing_midnight_keeps_prefix(self) -> None:
+        """The clock lives in the body: 23:59 and 00:01 builds share one prefix hash."""
+        body = f.body(2)
+        before = _build(body.model_copy(update={"turn_context": TurnContext(id="clock", text="2026-11-30 23:59")}))
+        after = _build(body.model_copy(update={"turn_context": TurnContext(id="clock", text="2026-12-01 00:01")}))
+        assert before.prefix_sha256 == after.prefix_sha256
+        assert before.request_sha256 != after.request_sha256
+
+    def test_session_secret_changes_nonces_not_content(self) -> None:
+        """Another session's secret renders other envelope nonces around the same content."""
+        plan = build(PREFIX, f.body(1), budget=BUDGET, estimator=f.estimator(), secret=b"other")
+        mine = _build(f.body(1))
+        assert plan.body_text != mine.body_text
+        assert "what next?" in plan.body_text and "what next?" in mine.body_text
+
+
+class TestPlan:
+    def test_plan_reports_classes_regions_and_status(self) -> None:
+        """A plan reports tokens per class, the prefix and body split, and its status."""
+        plan = _build(f.body(4))
+        assert plan.status is PlanStatus.FITS and plan.deficit_tokens == 0
+        assert {"platform_policy", "agent_instructions", "tools", "memory_snapshot", "history",
+                "current_message"} <= set(plan.tokens_by_class)
+        assert plan.estimated_tokens == plan.prefix_tokens + plan.body_tokens
+        summary = plan.summary()
+        assert summary.segments == len(plan.segments) and summary.prefix_sha256 == plan.prefix_sha256
+
+    def test_history_only_user_messages_in_order(self) -> None:
+        """History items appear in log order."""
+        hist = [UserMessage(id=f"u{i}", seq=i, text=f"m{i}") for i in (3, 1, 2)]
+        plan = _build(BodyInputs(history=hist, turn_start_seq=10))
+        assert [s.item_id for s in plan.segments if s.kind == "user_message"] == ["u1", "u2", "u3"]

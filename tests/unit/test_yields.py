@@ -1,0 +1,118 @@
+"""Decision 8: recall yields first, then tool results become pointers, then compaction is reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.budget import ContextBudget
+from core.build import BodyInputs, build
+from core.errors import NonYieldableOverflowError, WorkingStateCapError
+from core.items import CorrectionLine, CurrentUserMessage, RecallItem, TrustLevel, WorkingStateBlock
+from core.plan import PlanStatus, YieldStep
+from tests.unit import factories as f
+
+PREFIX = f.prefix()
+
+
+def _plan(body: BodyInputs, window: int):  # type: ignore[no-untyped-def]
+    budget = ContextBudget(context_window=window, output_reserve=500)
+    return build(PREFIX, body, budget=budget, estimator=f.estimator(), secret=f.SECRET)
+
+
+def _body(turns: int, recalls: int = 4) -> BodyInputs:
+    base = f.body(turns)
+    return base.model_copy(
+        update={
+            "recall": [RecallItem(id=f"rc{i}", memory_id=f"m{i}", rank=i, text="recalled " * 80) for i in range(recalls)]
+        }
+    )
+
+
+def _steps(plan) -> list[tuple[YieldStep, str]]:  # type: ignore[no-untyped-def]
+    return [(y.step, y.reason) for y in plan.yields]
+
+
+class TestYieldOrder:
+    def test_no_pressure_no_yield(self) -> None:
+        """With room to spare nothing yields."""
+        plan = _plan(_body(4), 100_000)
+        assert plan.yields == [] and plan.status is PlanStatus.FITS
+
+    def test_recall_yields_first(self) -> None:
+        """Light pressure drops recall and leaves every tool result whole."""
+        full = _plan(_body(6), 100_000)
+        recall_tokens = full.tokens_by_class["recall"]
+        plan = _plan(_body(6), full.estimated_tokens + 500 - recall_tokens // 2)
+        assert _steps(plan) == [(YieldStep.RECALL_DROPPED, "pressure")]
+        assert not any(s.kind == "elided_span" for s in plan.segments)
+        assert plan.status is PlanStatus.FITS
+
+    def test_tool_results_yield_second_as_pointers(self) -> None:
+        """More pressure turns the oldest tool results into typed pointers after recall is gone."""
+        full = _plan(_body(10), 100_000)
+        plan = _plan(_body(10), full.estimated_tokens + 500 - full.tokens_by_class["recall"] - 200)
+        assert _steps(plan) == [
+            (YieldStep.RECALL_DROPPED, "pressure"),
+            (YieldStep.TOOL_RESULTS_TO_POINTERS, "pressure"),
+        ]
+        pointers = [s for s in plan.segments if s.kind == "elided_span"]
+        assert pointers and pointers[0].item_id == "r0#pointer"
+        assert pointers[0].trust is TrustLevel.EXTERNAL_UNTRUSTED
+        assert "artifact:r0" in pointers[0].text
+
+    def test_compaction_is_last_and_reports_deficit(self) -> None:
+        """When the cheap yields are exhausted the plan says needs_compaction with the deficit in tokens."""
+        plan = _plan(_body(60), 6_000)
+        assert plan.status is PlanStatus.NEEDS_COMPACTION
+        assert plan.deficit_tokens == plan.estimated_tokens - plan.input_limit
+        assert (YieldStep.RECALL_DROPPED, "pressure") in _steps(plan)
+        assert not any(s.kind in ("tool_result", "recall") for s in plan.segments)
+
+    def test_tool_results_capped_at_a_quarter_of_the_body(self) -> None:
+        """Tool results over 25% of the body are truncated oldest first even without window pressure."""
+        base = f.body(4)
+        big = [
+            h.model_copy(update={"content": "data " * 3_000}) if h.kind == "tool_result" else h for h in base.history
+        ]
+        plan = _plan(base.model_copy(update={"history": big}), 20_000)
+        assert (YieldStep.TOOL_RESULTS_TO_POINTERS, "cap") in _steps(plan)
+        body_budget = plan.input_limit - plan.prefix_tokens
+        assert plan.tokens_by_class["tool_results"] <= body_budget * 0.25
+
+
+class TestNeverYields:
+    def test_active_turn_current_message_state_and_corrections_survive(self) -> None:
+        """Under maximum pressure the current message, working state, corrections and active pair remain."""
+        base = _body(40)
+        hist = list(base.history)
+        turn_start = hist[-1].seq + 1
+        from core.items import ToolCall, ToolResult
+
+        hist += [
+            ToolCall(id="ac", seq=turn_start + 1, call_id="active", tool_name="t00"),
+            ToolResult(id="ar", seq=turn_start + 2, call_id="active", tool_name="t00", content="active " * 50),
+        ]
+        body = base.model_copy(
+            update={
+                "history": hist,
+                "turn_start_seq": turn_start,
+                "current": None,
+                "working_state": WorkingStateBlock(id="ws", text="constraint: be brief"),
+                "corrections": [CorrectionLine(id="cor", memory_id="m1", text="user moved to Oslo")],
+            }
+        )
+        plan = _plan(body, 5_000)
+        ids = {s.item_id for s in plan.segments}
+        assert {"ac", "ar", "ws", "cor"} <= ids
+
+    def test_non_yieldable_overflow_names_classes(self) -> None:
+        """If never-yield items alone overflow, a typed error names them."""
+        body = BodyInputs(current=CurrentUserMessage(id="cur", seq=0, text="long " * 5_000))
+        with pytest.raises(NonYieldableOverflowError, match="current_message"):
+            _plan(body, 3_000)
+
+    def test_working_state_over_its_cap_is_an_error(self) -> None:
+        """A working state block over 1,000 tokens is rejected, not trimmed."""
+        body = f.body(1).model_copy(update={"working_state": WorkingStateBlock(id="ws", text="x " * 1_500)})
+        with pytest.raises(WorkingStateCapError):
+            _plan(body, 100_000)
