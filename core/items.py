@@ -7,9 +7,9 @@ that does not declare `region` and `budget_class` fails at class creation, which
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from core.errors import UndeclaredRegionError
 
@@ -361,3 +361,16 @@ REGION_A_TYPES = tuple(t for t in ITEM_TYPES if t.region is Region.A)
 REGION_B_TYPES = tuple(t for t in ITEM_TYPES if t.region is Region.B)
 
 HistoryItem = UserMessage | AssistantMessage | ToolCall | ToolResult | ElidedSpan | CheckpointSummary
+
+
+def parse_history_item(data: dict[str, Any]) -> HistoryItem:
+    """Rebuild a logged history item from its stored JSON (the `kind` field picks the type)."""
+    return _HISTORY_ADAPTER.validate_python(data)
+
+
+_HISTORY_ADAPTER: TypeAdapter[HistoryItem] = TypeAdapter(
+    Annotated[
+        UserMessage | AssistantMessage | ToolCall | ToolResult | ElidedSpan | CheckpointSummary,
+        Field(discriminator="kind"),
+    ]
+)

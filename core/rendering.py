@@ -28,7 +28,10 @@ from confusable_homoglyphs.confusables import confusables_data
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
+    "DANGEROUS_CHARS",
+    "ESCAPING_FINGERPRINT",
     "FRAMING_TEXT",
+    "NONCE_HEX_CHARS",
     "Envelope",
     "EnvelopeParseError",
     "derive_nonce",
@@ -112,11 +115,10 @@ _IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
     (0xE0000, 0xE0FFF),
 )
 
-# Format, control and separator characters exist only in planes 0, 1 and 14 (planes 2-13 hold ideographs
-# and unassigned code points, 15-16 private use); surrogates are added as a range. The unit tests check
-# this against a scan of every code point.
+# Format, control, separator and surrogate code points exist only in planes 0, 1 and 14 (planes 2-13 hold
+# ideographs and unassigned code points, 15-16 private use). The unit tests check this against a scan of
+# every code point.
 _SCANNED_PLANES = (0, 1, 14)
-_SURROGATES = range(0xD800, 0xE000)
 
 _ROLE_WORDS = (
     "system",
@@ -166,7 +168,6 @@ def _homoglyph_graph() -> dict[str, set[str]]:
 def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]]]:
     """Scan the code space once: invisible characters, NFKD/name look-alikes, NFKC letter folds."""
     invisible: set[str] = {chr(cp) for lo, hi in _IGNORABLE_RANGES for cp in range(lo, hi + 1)}
-    invisible.update(chr(cp) for cp in _SURROGATES)
     lookalike: set[str] = set()
     folds: dict[str, set[str]] = {}
     category = unicodedata.category
@@ -195,8 +196,8 @@ def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]]]:
     return frozenset(invisible), frozenset(lookalike), folds
 
 
-def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, str]]:
-    """Return the dangerous set, the escape translate table and a character class per ASCII letter."""
+def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, frozenset[str]]]:
+    """Return the dangerous set, the escape translate table and the look-alikes of each ASCII letter."""
     graph = _homoglyph_graph()
     invisible, lookalike, folds = _scan()
     # Direct confusables of the targets, plus the symbol and punctuation twins of the NFKD and named
@@ -210,12 +211,12 @@ def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, str]]:
     dangerous = frozenset(invisible | lookalikes | {"<", ">"})
     table = {ord(ch): f"\\u{{{ord(ch):X}}}" for ch in dangerous}
     table[ord("\\")] = "\\\\"
-    letter_classes: dict[str, str] = {}
+    letters: dict[str, frozenset[str]] = {}
     for letter in "abcdefghijklmnopqrstuvwxyz":
         members = {letter, letter.upper()} | folds.get(letter, set())
         members |= graph.get(letter, set()) | graph.get(letter.upper(), set())
-        letter_classes[letter] = _char_class(ch for ch in members if ch not in dangerous)
-    return dangerous, table, letter_classes
+        letters[letter] = frozenset(members - dangerous)
+    return dangerous, table, letters
 
 
 def _char_class(chars: Iterable[str]) -> str:
@@ -233,29 +234,69 @@ def _char_class(chars: Iterable[str]) -> str:
     return "[" + "".join(parts) + "]"
 
 
-DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_CLASSES = _build_tables()
+DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES = _build_tables()
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}`` (besides the backslash)."""
 
-# '\\', '<' and '>' are common and handled by str.replace; the rest are rare and escaped run by run.
-_RARE_RUN_RE = re.compile(_char_class(DANGEROUS_CHARS - {"<", ">"}) + "+")
+_ASCII_CONTROL_RUN_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]+")
+# Bytes that may stay as they are in ASCII text: printable ASCII, newline and tab.
+_SAFE_ASCII = bytes(range(0x20, 0x7F)) + b"\n\t"
+# Above this many distinct dangerous characters one str.translate beats one str.replace per character.
+_REPLACE_LIMIT = 8
 
 
-def _word(word: str) -> str:
+def _letter(letter: str, *, fast: bool) -> str:
+    """Return a class for ``letter``, its case and look-alikes; ``fast`` widens astral ones to one range.
+
+    Classes with many astral members (mathematical alphanumerics) are slow in ``re``; the fast form
+    over-approximates them with the whole astral range and the exact form confirms the match.
+    """
+    members = _LETTER_LOOKALIKES[letter]
+    if not fast:
+        return _char_class(members)
+    bmp = _char_class(ch for ch in members if ord(ch) <= 0xFFFF)
+    return bmp[:-1] + "\\U00010000-\\U0010ffff]"
+
+
+def _word(word: str, *, fast: bool = False) -> str:
     """Return a pattern matching ``word`` case-insensitively, letter look-alikes included."""
-    return "".join(_LETTER_CLASSES[ch] for ch in word)
+    return "".join(_letter(ch, fast=fast) for ch in word)
 
 
 _ESC = r"\\u\{[0-9A-F]{1,6}\}"
 _HSPACE = r"[^\S\n]"
-# A role word opens a line (after blanks, markdown markers or made-visible invisibles) and is followed by
-# a colon (or an escaped colon look-alike); its first character is escaped.
 _COLON_AHEAD = rf"{_HSPACE}*[*_]*{_HSPACE}*(?::|{_ESC})"
-_ROLE_FIRST = "|".join(f"{_LETTER_CLASSES[w[0]]}(?={_word(w[1:])}{_COLON_AHEAD})" for w in _ROLE_WORDS)
-_ROLE_BODY = rf"(?P<pre>(?:{_HSPACE}|[#*_=~-]|{_ESC})*)(?P<first>{_ROLE_FIRST})"
+
+
+def _role_first(*, fast: bool) -> str:
+    """Return a pattern matching the first character of a role word followed by the rest and a colon."""
+    return "|".join(
+        f"{_letter(w[0], fast=fast)}(?={_word(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS
+    )
+
+
+# A role word opens a line (after up to 12 blanks, markdown markers or made-visible invisibles) and is
+# followed by a colon (or an escaped colon look-alike); its first character is escaped.
+_ROLE_BODY = rf"(?P<pre>(?:{_HSPACE}|[#*_=~-]|{_ESC}){{0,12}})(?P<first>{_role_first(fast=True)})"
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)
-_ROLE_AFTER_NEWLINE_RE = re.compile("\n" + _ROLE_BODY)  # a literal first char lets re skip to each newline
+_ROLE_AFTER_NEWLINE_RE = re.compile("\n" + _ROLE_BODY)  # a literal first char lets re skip to newlines
+_ROLE_EXACT_RE = re.compile(_role_first(fast=False))
 _BRACKET_TAG_RE = re.compile(rf"\[(?=/?(?:{'|'.join(_BRACKET_TAGS)})\])", re.IGNORECASE)
 _CTX_COLON_RE = re.compile(rf":(?<={_word('ctx')}:)")
+
+ESCAPING_FINGERPRINT = hashlib.sha256(
+    "\x00".join(
+        [
+            unicodedata.unidata_version,
+            "".join(sorted(DANGEROUS_CHARS)),
+            *(f"{k}={''.join(sorted(v))}" for k, v in sorted(_LETTER_LOOKALIKES.items())),
+            *_ROLE_WORDS,
+            *_BRACKET_TAGS,
+        ]
+    ).encode("utf-8", "surrogatepass")
+).hexdigest()[:16]
+"""Identifies the escaping tables (Unicode data, confusables, role words). Renders of the same content are
+byte-identical exactly when this matches, so record it beside ``prefix_sha256``: an upgrade of Python's
+Unicode data or of confusable-homoglyphs that changes it must rotate the prefix epoch."""
 
 
 def _escape_char(ch: str) -> str:
@@ -267,8 +308,25 @@ def _escape_run(match: re.Match[str]) -> str:
 
 
 def _escape_role(match: re.Match[str]) -> str:
-    """Keep everything before the role word and escape its first character."""
+    """Keep everything before the role word and escape its first character (if the exact form agrees)."""
+    if _ROLE_EXACT_RE.match(match.string, match.start("first")) is None:
+        return match.group()
     return match.string[match.start() : match.start("first")] + _escape_char(match["first"])
+
+
+def _escape_chars(text: str) -> str:
+    """Escape the backslash and every character of :data:`DANGEROUS_CHARS`."""
+    out = text.replace("\\", "\\\\").replace("<", "\\u{3C}").replace(">", "\\u{3E}")
+    if out.isascii():
+        if out.encode("ascii").translate(None, _SAFE_ASCII):  # what is left: ASCII control characters
+            out = _ASCII_CONTROL_RUN_RE.sub(_escape_run, out)
+        return out
+    present = DANGEROUS_CHARS.intersection(out)
+    if len(present) > _REPLACE_LIMIT:
+        return text.translate(_ESCAPE_TABLE)
+    for ch in present:
+        out = out.replace(ch, _ESCAPE_TABLE[ord(ch)])
+    return out
 
 
 def escape_content(text: str) -> str:
@@ -279,8 +337,7 @@ def escape_content(text: str) -> str:
     ``\\u{HEX}``; the first character of a line-opening role marker, the ``[`` of ``[INST]``-style markers
     and the ``:`` of ``ctx:`` (any case or look-alike letters) become ``\\u{HEX}`` too.
     """
-    out = text.replace("\\", "\\\\").replace("<", "\\u{3C}").replace(">", "\\u{3E}")
-    out = _RARE_RUN_RE.sub(_escape_run, out)
+    out = _escape_chars(text)
     if "[" in out:
         out = _BRACKET_TAG_RE.sub(r"\\u{5B}", out)
     if ":" in out:

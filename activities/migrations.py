@@ -1,0 +1,116 @@
+"""Schema migrations: an append-only list whose position is the version. Never edit a shipped entry."""
+
+from __future__ import annotations
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: the session log and everything a request is rebuilt from
+    """
+    CREATE TABLE IF NOT EXISTS sessions (
+        session_id text PRIMARY KEY,
+        open jsonb NOT NULL,
+        secret bytea NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        closed_at timestamptz,
+        close_reason text
+    );
+    CREATE TABLE IF NOT EXISTS items (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        seq integer NOT NULL,
+        item_id text NOT NULL,
+        kind text NOT NULL,
+        trust text NOT NULL,
+        turn integer NOT NULL,
+        payload jsonb NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, seq),
+        UNIQUE (session_id, item_id)
+    );
+    CREATE TABLE IF NOT EXISTS artifacts (
+        sha256 text PRIMARY KEY,
+        trust text NOT NULL,
+        media_type text NOT NULL,
+        content text NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE IF NOT EXISTS prefixes (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        epoch integer NOT NULL,
+        sha256 text NOT NULL,
+        reason text NOT NULL,
+        profile jsonb NOT NULL,
+        prefix jsonb NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, epoch)
+    );
+    CREATE TABLE IF NOT EXISTS rendered_requests (
+        sha256 text PRIMARY KEY,
+        prefix_sha256 text NOT NULL,
+        body jsonb NOT NULL
+    );
+    CREATE TABLE IF NOT EXISTS request_records (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        turn integer NOT NULL,
+        call_index integer NOT NULL,
+        epoch integer NOT NULL,
+        prefix_sha256 text NOT NULL,
+        request_sha256 text NOT NULL,
+        estimated_tokens integer NOT NULL,
+        raw_tokens integer NOT NULL,
+        plan jsonb NOT NULL,
+        inputs jsonb NOT NULL,
+        actual_input_tokens integer,
+        cached_tokens integer,
+        output_tokens integer,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, turn, call_index)
+    );
+    CREATE INDEX IF NOT EXISTS request_records_epoch ON request_records (session_id, epoch);
+    CREATE TABLE IF NOT EXISTS checkpoints (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        checkpoint_id text NOT NULL,
+        parent_id text,
+        depth integer NOT NULL,
+        covers_from_seq integer NOT NULL,
+        covers_to_seq integer NOT NULL,
+        checkpoint jsonb NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, checkpoint_id)
+    );
+    CREATE TABLE IF NOT EXISTS events (
+        session_id text NOT NULL,
+        event_key text NOT NULL,
+        type text NOT NULL,
+        turn integer NOT NULL,
+        epoch integer NOT NULL,
+        payload jsonb NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, event_key)
+    );
+    CREATE INDEX IF NOT EXISTS events_type ON events (type, created_at);
+    CREATE TABLE IF NOT EXISTS memories (
+        scope text NOT NULL,
+        memory_id text NOT NULL,
+        text text NOT NULL,
+        trust text NOT NULL,
+        source_session text,
+        corrects text,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED,
+        PRIMARY KEY (scope, memory_id)
+    );
+    CREATE INDEX IF NOT EXISTS memories_tsv ON memories USING gin (tsv);
+    CREATE TABLE IF NOT EXISTS working_state_writes (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        write_key text NOT NULL,
+        turn integer NOT NULL,
+        position bigserial,
+        write jsonb NOT NULL,
+        PRIMARY KEY (session_id, write_key)
+    );
+    CREATE TABLE IF NOT EXISTS calibrations (
+        route text PRIMARY KEY,
+        calibration double precision NOT NULL,
+        updated_at timestamptz NOT NULL DEFAULT now()
+    );
+    """,
+)

@@ -1,0 +1,143 @@
+"""The provider port: what a model adapter must do, and the offline `scripted` provider.
+
+Real adapters (OpenAI-compatible, Anthropic) plug in behind the same port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+
+from activities.tokens import TiktokenCounter
+
+
+class ProviderSegment(BaseModel):
+    role: str
+    kind: str
+    trust: str
+    region: str
+    text: str
+    item_id: str
+    call_id: str | None = None
+
+
+class ProviderRequest(BaseModel):
+    session_id: str
+    epoch: int
+    provider: str
+    model: str
+    prefix_sha256: str
+    request_sha256: str
+    segments: list[ProviderSegment]
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    max_output_tokens: int = 1_024
+    usage_ratio: float = 1.0
+
+
+class ProviderToolCall(BaseModel):
+    call_id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProviderUsage(BaseModel):
+    input_tokens: int
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+class ProviderReply(BaseModel):
+    text: str
+    tool_calls: list[ProviderToolCall] = Field(default_factory=list)
+    usage: ProviderUsage
+
+
+class ModelProvider(Protocol):
+    async def complete(self, request: ProviderRequest) -> ProviderReply: ...
+
+
+_DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
+
+
+class ScriptedProvider:
+    """Deterministic offline model. Its script is the user's text:
+
+    - each line `/call TOOL {json args}` in the current message becomes a tool call;
+    - after tool results it answers with what came back (names and sizes, never the untrusted text);
+    - otherwise it acknowledges the message.
+
+    Usage is the tiktoken count of the request times the route's `usage_ratio` (to stand in for a provider
+    whose tokenizer counts more), and a prefix it has seen before is reported as cached, like a provider's
+    prompt cache.
+    """
+
+    def __init__(self, counter: TiktokenCounter | None = None, cache_entries: int = 4_096) -> None:
+        self.counter = counter or TiktokenCounter()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._cache_entries = cache_entries
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        segs = request.segments
+        last = segs[-1] if segs else None
+        calls: list[ProviderToolCall] = []
+        if last is not None and last.kind == "current_message":
+            text = _content_of(last.text)
+            for index, match in enumerate(_DIRECTIVE.finditer(text)):
+                try:
+                    args = json.loads(match.group(2)) if match.group(2) else {}
+                except json.JSONDecodeError:
+                    args = {"_unparsed": match.group(2)}
+                digest = hashlib.sha256(f"{request.request_sha256}:{index}".encode()).hexdigest()[:16]
+                calls.append(ProviderToolCall(call_id=f"call_{digest}", name=match.group(1), arguments=args))
+            reply = "" if calls else f"Noted: {_first_words(text)}"
+        else:
+            results = [s for s in reversed(segs) if s.role == "tool"]
+            tail: list[ProviderSegment] = []
+            for s in reversed(segs):
+                if s.role != "tool":
+                    break
+                tail.append(s)
+            described = ", ".join(f"{s.kind} {s.item_id} ({len(s.text)} chars, {s.trust})" for s in reversed(tail))
+            reply = f"Done. Tool results: {described or 'none'}." if results else "Done."
+        input_text = "".join(s.text for s in segs)
+        input_tokens = math.ceil((self.counter.count(input_text) + 4 * len(segs)) * request.usage_ratio)
+        prefix_text = "".join(s.text for s in segs if s.region == "A")
+        cached = 0
+        if request.prefix_sha256 in self._seen:
+            cached = math.floor(self.counter.count(prefix_text) * request.usage_ratio)
+            self._seen.move_to_end(request.prefix_sha256)
+        else:
+            self._seen[request.prefix_sha256] = None
+            if len(self._seen) > self._cache_entries:
+                self._seen.popitem(last=False)
+        return ProviderReply(
+            text=reply,
+            tool_calls=calls,
+            usage=ProviderUsage(
+                input_tokens=input_tokens, cached_tokens=cached, output_tokens=self.counter.count(reply) + 8 * len(calls)
+            ),
+        )
+
+
+def _content_of(rendered: str) -> str:
+    """The original text of a rendered current-message segment (its envelope parsed back)."""
+    from core.rendering import parse_envelopes
+
+    envelopes = parse_envelopes(rendered)
+    return envelopes[0].content if envelopes else rendered
+
+
+def _first_words(text: str, limit: int = 60) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def build_providers(counter: TiktokenCounter | None = None) -> dict[str, ModelProvider]:
+    """The providers this worker can route to. Real adapters register here when configured."""
+    return {"scripted": ScriptedProvider(counter)}

@@ -1,0 +1,281 @@
+"""PostgreSQL, the system of record. Activities retry, so every write here is idempotent (natural keys and
+ON CONFLICT); nothing stored is ever rewritten except usage filled in after a response."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from activities.migrations import MIGRATIONS
+
+_MIGRATION_LOCK = 727_020  # advisory lock id: two workers starting at once migrate one after the other
+
+SQL_CREATE_MIGRATIONS = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)"""
+SQL_INSERT_SESSION = """
+INSERT INTO sessions (session_id, open, secret) VALUES ($1, $2, $3)
+ON CONFLICT (session_id) DO NOTHING"""
+SQL_GET_SESSION = "SELECT open, secret, created_at, closed_at, close_reason FROM sessions WHERE session_id = $1"
+SQL_LOCK_SESSION = "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE"
+SQL_ITEM_BY_ID = "SELECT seq FROM items WHERE session_id = $1 AND item_id = $2"
+SQL_NEXT_SEQ = "SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1"
+SQL_INSERT_ITEM = """
+INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)"""
+SQL_LOAD_ITEMS = "SELECT seq, turn, payload FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"
+SQL_PUT_ARTIFACT = """
+INSERT INTO artifacts (sha256, trust, media_type, content) VALUES ($1, $2, $3, $4) ON CONFLICT (sha256) DO NOTHING"""
+SQL_GET_ARTIFACT = "SELECT trust, media_type, content FROM artifacts WHERE sha256 = $1"
+SQL_PUT_PREFIX = """
+INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix) VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (session_id, epoch) DO NOTHING"""
+SQL_GET_PREFIX = "SELECT sha256, reason, profile, prefix FROM prefixes WHERE session_id = $1 AND epoch = $2"
+SQL_PUT_REQUEST = """
+INSERT INTO rendered_requests (sha256, prefix_sha256, body) VALUES ($1, $2, $3) ON CONFLICT (sha256) DO NOTHING"""
+SQL_GET_REQUEST = "SELECT prefix_sha256, body FROM rendered_requests WHERE sha256 = $1"
+SQL_RECORD_REQUEST = """
+INSERT INTO request_records (session_id, turn, call_index, epoch, prefix_sha256, request_sha256,
+                             estimated_tokens, raw_tokens, plan, inputs)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (session_id, turn, call_index) DO UPDATE
+SET epoch = EXCLUDED.epoch, prefix_sha256 = EXCLUDED.prefix_sha256, request_sha256 = EXCLUDED.request_sha256,
+    estimated_tokens = EXCLUDED.estimated_tokens, raw_tokens = EXCLUDED.raw_tokens, plan = EXCLUDED.plan,
+    inputs = EXCLUDED.inputs
+WHERE request_records.actual_input_tokens IS NULL"""
+SQL_DISTINCT_PREFIXES = """
+SELECT prefix_sha256, min(turn) AS first_turn FROM request_records WHERE session_id = $1 AND epoch = $2
+GROUP BY prefix_sha256 ORDER BY min(turn)"""
+SQL_GET_RECORD = "SELECT * FROM request_records WHERE session_id = $1 AND turn = $2 AND call_index = $3"
+SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn, call_index"
+SQL_RECORD_USAGE = """
+UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
+WHERE session_id = $1 AND turn = $2 AND call_index = $3"""
+SQL_ADD_EVENT = """
+INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1"""
+SQL_EVENTS = "SELECT event_key, type, turn, epoch, payload, created_at FROM events WHERE session_id = $1 ORDER BY created_at"
+SQL_WRITE_MEMORY = """
+INSERT INTO memories (scope, memory_id, text, trust, source_session, corrects) VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (scope, memory_id) DO NOTHING"""
+SQL_SNAPSHOT = """
+SELECT memory_id, text, trust FROM memories WHERE scope = $1 AND corrects IS NULL
+ORDER BY created_at, memory_id LIMIT $2"""
+SQL_SEARCH = """
+SELECT memory_id, text, trust, ts_rank(tsv, q) AS rank
+FROM memories, websearch_to_tsquery('english', $2) AS q
+WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[]))
+ORDER BY rank DESC, memory_id LIMIT $4"""
+SQL_CORRECTIONS = """
+SELECT memory_id, text, trust, corrects FROM memories
+WHERE scope = $1 AND corrects = ANY($2::text[]) ORDER BY created_at, memory_id"""
+SQL_ADD_WS_WRITE = """
+INSERT INTO working_state_writes (session_id, write_key, turn, write) VALUES ($1, $2, $3, $4)
+ON CONFLICT (session_id, write_key) DO NOTHING"""
+SQL_WS_WRITES = "SELECT write FROM working_state_writes WHERE session_id = $1 ORDER BY position"
+SQL_GET_CALIBRATION = "SELECT calibration FROM calibrations WHERE route = $1"
+SQL_SET_CALIBRATION = """
+INSERT INTO calibrations (route, calibration) VALUES ($1, $2)
+ON CONFLICT (route) DO UPDATE SET calibration = EXCLUDED.calibration, updated_at = now()"""
+SQL_PUT_CHECKPOINT = """
+INSERT INTO checkpoints (session_id, checkpoint_id, parent_id, depth, covers_from_seq, covers_to_seq, checkpoint)
+VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
+SQL_LATEST_CHECKPOINT = """
+SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY covers_to_seq DESC, depth DESC LIMIT 1"""
+SQL_CLOSE_SESSION = """
+UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for name in ("json", "jsonb"):
+        await conn.set_type_codec(name, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+class Store:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    @classmethod
+    @asynccontextmanager
+    async def from_dsn(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> AsyncIterator[Store]:
+        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection)
+        try:
+            yield cls(pool)
+        finally:
+            await pool.close()
+
+    async def migrate(self) -> int:
+        """Apply pending migrations under an advisory lock; returns the schema version."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute(SQL_CREATE_MIGRATIONS)
+            done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+            for version, ddl in enumerate(MIGRATIONS, start=1):
+                if version not in done:
+                    await conn.execute(ddl)
+                    await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+            return len(MIGRATIONS)
+
+    # ------------------------------------------------------------ sessions
+    async def create_session(self, session_id: str, open_json: dict[str, Any], secret: bytes) -> bytes:
+        """Create once; a retry gets the secret the first attempt stored."""
+        async with self.pool.acquire() as conn:
+            await conn.execute(SQL_INSERT_SESSION, session_id, open_json, secret)
+            row = await conn.fetchrow(SQL_GET_SESSION, session_id)
+        return bytes(row["secret"])
+
+    async def get_session(self, session_id: str) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_SESSION, session_id)
+
+    async def close_session(self, session_id: str, reason: str) -> None:
+        await self.pool.execute(SQL_CLOSE_SESSION, session_id, reason)
+
+    # ------------------------------------------------------------ the session log
+    async def append_items(self, session_id: str, turn: int, items: Sequence[dict[str, Any]]) -> list[int]:
+        """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order.
+
+        Returns each item's seq; an item whose id is already logged keeps its first seq and payload.
+        """
+        seqs: list[int] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(SQL_LOCK_SESSION, session_id)
+            nxt: int = await conn.fetchval(SQL_NEXT_SEQ, session_id)
+            for item in items:
+                existing = await conn.fetchval(SQL_ITEM_BY_ID, session_id, item["id"])
+                if existing is not None:
+                    seqs.append(existing)
+                    continue
+                payload = {**item, "seq": nxt}
+                await conn.execute(
+                    SQL_INSERT_ITEM, session_id, nxt, item["id"], item["kind"], item["trust"], turn, payload
+                )
+                seqs.append(nxt)
+                nxt += 1
+        return seqs
+
+    async def load_items(self, session_id: str, after_seq: int = -1) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq)
+
+    # ------------------------------------------------------------ content-addressed content
+    async def put_artifact(self, content: str, *, trust: str, media_type: str = "text/plain") -> str:
+        sha = sha256_text(content)
+        await self.pool.execute(SQL_PUT_ARTIFACT, sha, trust, media_type, content)
+        return sha
+
+    async def get_artifact(self, sha: str) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_ARTIFACT, sha)
+
+    async def put_prefix(
+        self, session_id: str, epoch: int, sha: str, reason: str, profile: dict[str, Any], prefix: dict[str, Any]
+    ) -> None:
+        await self.pool.execute(SQL_PUT_PREFIX, session_id, epoch, sha, reason, profile, prefix)
+
+    async def get_prefix(self, session_id: str, epoch: int) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_PREFIX, session_id, epoch)
+
+    async def put_request(self, sha: str, prefix_sha: str, body: list[dict[str, Any]]) -> None:
+        await self.pool.execute(SQL_PUT_REQUEST, sha, prefix_sha, body)
+
+    async def get_request(self, sha: str) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_REQUEST, sha)
+
+    # ------------------------------------------------------------ request records
+    async def record_request(
+        self,
+        session_id: str,
+        turn: int,
+        call_index: int,
+        *,
+        epoch: int,
+        prefix_sha256: str,
+        request_sha256: str,
+        estimated_tokens: int,
+        raw_tokens: int,
+        plan: dict[str, Any],
+        inputs: dict[str, Any],
+    ) -> list[asyncpg.Record]:
+        """Record one request; returns the distinct prefix hashes of its epoch (first seen first)."""
+        async with self.pool.acquire() as conn:
+            await conn.execute(
+                SQL_RECORD_REQUEST, session_id, turn, call_index, epoch, prefix_sha256, request_sha256,
+                estimated_tokens, raw_tokens, plan, inputs,
+            )
+            return await conn.fetch(SQL_DISTINCT_PREFIXES, session_id, epoch)
+
+    async def get_record(self, session_id: str, turn: int, call_index: int) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)
+
+    async def records(self, session_id: str) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_RECORDS, session_id)
+
+    async def record_usage(
+        self, session_id: str, turn: int, call_index: int, *, actual: int, cached: int, output: int
+    ) -> None:
+        await self.pool.execute(SQL_RECORD_USAGE, session_id, turn, call_index, actual, cached, output)
+
+    # ------------------------------------------------------------ events
+    async def add_event(
+        self, session_id: str, event_key: str, type_: str, *, turn: int, epoch: int, payload: dict[str, Any]
+    ) -> bool:
+        """True when this call stored the event (a retry finds it there and returns False)."""
+        return bool(await self.pool.fetchval(SQL_ADD_EVENT, session_id, event_key, type_, turn, epoch, payload))
+
+    async def events(self, session_id: str) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_EVENTS, session_id)
+
+    # ------------------------------------------------------------ memories
+    async def write_memory(
+        self, scope: str, memory_id: str, text: str, *, trust: str, session_id: str | None, corrects: str | None
+    ) -> None:
+        await self.pool.execute(SQL_WRITE_MEMORY, scope, memory_id, text, trust, session_id, corrects)
+
+    async def snapshot_memories(self, scope: str, limit: int) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_SNAPSHOT, scope, limit)
+
+    async def search_memories(
+        self, scope: str, query: str, *, limit: int, exclude: Sequence[str] = ()
+    ) -> list[asyncpg.Record]:
+        words = re.findall(r"\w{3,}", query.lower())[:32]
+        if not words:
+            return []
+        return await self.pool.fetch(SQL_SEARCH, scope, " or ".join(words), list(exclude), limit)
+
+    async def corrections(self, scope: str, memory_ids: Sequence[str]) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids))
+
+    # ------------------------------------------------------------ working state
+    async def add_working_state_write(self, session_id: str, write_key: str, turn: int, write: dict[str, Any]) -> None:
+        await self.pool.execute(SQL_ADD_WS_WRITE, session_id, write_key, turn, write)
+
+    async def working_state_writes(self, session_id: str) -> list[dict[str, Any]]:
+        return [r["write"] for r in await self.pool.fetch(SQL_WS_WRITES, session_id)]
+
+    # ------------------------------------------------------------ estimator calibration
+    async def get_calibration(self, route: str) -> float | None:
+        value = await self.pool.fetchval(SQL_GET_CALIBRATION, route)
+        return float(value) if value is not None else None
+
+    async def set_calibration(self, route: str, calibration: float) -> None:
+        await self.pool.execute(SQL_SET_CALIBRATION, route, calibration)
+
+    # ------------------------------------------------------------ checkpoints
+    async def put_checkpoint(self, session_id: str, checkpoint: dict[str, Any]) -> None:
+        await self.pool.execute(
+            SQL_PUT_CHECKPOINT, session_id, checkpoint["checkpoint_id"], checkpoint.get("parent_id"),
+            checkpoint["depth"], checkpoint["covers_from_seq"], checkpoint["covers_to_seq"], checkpoint,
+        )
+
+    async def latest_checkpoint(self, session_id: str) -> dict[str, Any] | None:
+        row = await self.pool.fetchval(SQL_LATEST_CHECKPOINT, session_id)
+        return dict(row) if row is not None else None

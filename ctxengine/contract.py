@@ -1,0 +1,284 @@
+"""The external contract: every workflow/update/query/activity payload, as pydantic models.
+
+Pure (pydantic + core only), so workflow modules can pass it through the sandbox. Inputs forbid unknown
+fields, so a typo in a CLI `--input` fails with the field's name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.budget import ContextBudget
+from core.estimator import DEFAULT_PROFILES, ModelProfile
+from core.plan import PlanSummary
+
+MAX_TURN_TEXT = 100_000  # characters; larger input belongs in an artifact, not a turn
+DEFAULT_PLATFORM_POLICY = (
+    "You are running on the ctxengine platform. Follow the operator's agent instructions within this "
+    "policy. Never reveal secrets or credentials. Tools are authorised when they are called: a tool listed "
+    "below may still be denied, and a denial is final for that call."
+)
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ToolSpec(_Input):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str = Field(max_length=4_000)
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ModelRoute(_Input):
+    """Which provider and model serve the session; a change of route rotates the epoch."""
+
+    provider: Literal["scripted", "openai", "anthropic"] = "scripted"
+    model: str = "scripted-1"
+    encoding: str | None = None
+    context_window: int | None = Field(default=None, gt=0)
+    min_cacheable_tokens: int | None = Field(default=None, ge=0)
+    # The scripted provider reports usage as count x this ratio, to stand in for another tokenizer.
+    scripted_usage_ratio: float = Field(default=1.0, gt=0)
+
+    def profile(self) -> ModelProfile:
+        base = DEFAULT_PROFILES.get(self.provider, DEFAULT_PROFILES["scripted"])
+        update: dict[str, Any] = {"provider": self.provider, "model": self.model}
+        if self.encoding:
+            update["encoding"] = self.encoding
+        if self.context_window:
+            update["context_window"] = self.context_window
+        if self.min_cacheable_tokens is not None:
+            update["min_cacheable_tokens"] = self.min_cacheable_tokens
+        return base.model_copy(update=update)
+
+
+class ActivityTimeouts(_Input):
+    """Seconds. Short start-to-close timeouts let Temporal move work off a dead worker quickly."""
+
+    build_seconds: float = Field(default=30, gt=0)
+    model_seconds: float = Field(default=300, gt=0)
+    model_heartbeat_seconds: float = Field(default=30, gt=0)
+    tool_seconds: float = Field(default=60, gt=0)
+
+
+class SessionOpen(_Input):
+    """Start input of SessionWorkflow (workflow id = session id)."""
+
+    agent_instructions: str
+    platform_policy: str = DEFAULT_PLATFORM_POLICY
+    tools: list[ToolSpec] = Field(default_factory=list)
+    grants: list[str] | None = None  # None: every pinned tool is granted
+    model_route: ModelRoute = Field(default_factory=ModelRoute)
+    budget: dict[str, Any] = Field(default_factory=dict)  # overrides of ContextBudget fields
+    memory_scope: str = "default"
+    timeouts: ActivityTimeouts = Field(default_factory=ActivityTimeouts)
+    continue_as_new_after_turns: int | None = Field(default=None, ge=1)  # tests and demos; None: when suggested
+
+    def context_budget(self) -> ContextBudget:
+        base = ContextBudget(context_window=self.model_route.profile().context_window)
+        return ContextBudget.model_validate({**base.model_dump(), **self.budget})
+
+
+class TurnInput(_Input):
+    """Update `submit_turn`."""
+
+    text: str = Field(min_length=1, max_length=MAX_TURN_TEXT)
+
+
+class RevokeTool(_Input):
+    """Update `revoke_tool`: the tool stays in the pinned prefix and its calls are denied."""
+
+    name: str
+    reason: str = "revoked by operator"
+
+
+class RotateEpoch(_Input):
+    """Update `rotate_epoch`: the only way the prefix changes mid-session."""
+
+    reason: Literal["model_route_changed", "provider_routing_changed", "forced_revocation"]
+    model_route: ModelRoute | None = None
+    revoke_tools: list[str] = Field(default_factory=list)
+
+
+class WriteMemory(_Input):
+    """Update `write_memory`: reaches the store and in-turn recall, never the frozen snapshot."""
+
+    text: str = Field(min_length=1, max_length=4_000)
+    memory_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:\-]{1,100}$")
+    corrects: str | None = None  # memory id this one corrects
+
+
+class CloseSession(_Input):
+    reason: str = "closed by caller"
+
+
+class ToolCallOutcome(BaseModel):
+    name: str
+    call_id: str
+    allowed: bool
+    is_error: bool
+    trust: str
+    summary: str
+
+
+class TurnResult(BaseModel):
+    turn: int
+    epoch: int
+    text: str
+    prefix_sha256: str
+    plan: PlanSummary
+    tool_calls: list[ToolCallOutcome] = Field(default_factory=list)
+    model_calls: int = 1
+
+
+class SessionMetrics(BaseModel):
+    epochs: int = 1
+    prefix_hash_violations: int = 0
+    requests: int = 0
+    estimator_error_tokens: int = 0  # sum of signed (estimate - actual)
+    estimator_overruns: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    prefix_tokens_reused: int = 0
+    compactions: int = 0
+    max_summary_depth: int = 0
+    tool_denials: int = 0
+
+    @property
+    def cache_efficiency(self) -> float:
+        return self.prefix_tokens_reused / self.input_tokens if self.input_tokens else 0.0
+
+
+class SessionState(BaseModel):
+    """Query `state`, and what continue-as-new carries."""
+
+    session_id: str
+    status: Literal["opening", "open", "closed", "failed"] = "opening"
+    epoch: int = 1
+    turns: int = 0
+    prefix_hashes: dict[str, list[str]] = Field(default_factory=dict)  # epoch -> distinct hashes seen
+    pinned_tools: list[str] = Field(default_factory=list)
+    revoked_tools: dict[str, str] = Field(default_factory=dict)
+    working_state: str = ""
+    last_plan: PlanSummary | None = None
+    metrics: SessionMetrics = Field(default_factory=SessionMetrics)
+    model_route: ModelRoute = Field(default_factory=ModelRoute)
+    recent_updates: dict[str, int] = Field(default_factory=dict)  # update id -> turn, bounded
+    search_attributes: bool = False
+
+
+class SessionWorkflowInput(_Input):
+    open: SessionOpen
+    carried: SessionState | None = None
+
+
+# ---------------------------------------------------------------- activity payloads
+
+
+class OpenInput(BaseModel):
+    session_id: str
+    open: SessionOpen
+    epoch: int = 1
+    reason: str = "session_open"
+    revoked: list[str] = Field(default_factory=list)
+
+
+class OpenResult(BaseModel):
+    epoch: int
+    prefix_sha256: str
+    prefix_tokens: int
+    tokens_by_class: dict[str, int]
+    pinned_tools: list[str]
+    search_attributes: bool
+
+
+class BuildInput(BaseModel):
+    session_id: str
+    turn: int
+    call_index: int
+    epoch: int
+    now_iso: str  # workflow.now(): the clock is a Region B input chosen by the workflow, so replay is stable
+    user_text: str | None = None  # first request of a turn: the message to append
+    update_id: str | None = None
+    user_item_id: str | None = None  # later requests of the turn: the message already appended
+
+
+class BuildResult(BaseModel):
+    plan: PlanSummary
+    user_item_id: str | None = None
+
+
+class ModelInput(BaseModel):
+    session_id: str
+    turn: int
+    call_index: int
+    epoch: int
+    request_sha256: str
+
+
+class ToolCallRequest(BaseModel):
+    item_id: str
+    call_id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelResult(BaseModel):
+    text: str
+    tool_calls: list[ToolCallRequest] = Field(default_factory=list)
+    input_tokens: int
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    estimated_tokens: int
+    overrun: bool = False
+
+
+class ToolInput(BaseModel):
+    session_id: str
+    turn: int
+    epoch: int
+    call: ToolCallRequest
+    allowed: bool
+    denial: str | None = None
+
+
+class ToolResultSummary(BaseModel):
+    item_id: str
+    is_error: bool
+    trust: str
+    tokens: int
+    summary: str
+    working_state: str | None = None
+
+
+class MemoryInput(BaseModel):
+    session_id: str
+    scope: str
+    write: WriteMemory
+    update_id: str
+    turn: int
+    epoch: int
+
+
+class MemoryResult(BaseModel):
+    memory_id: str
+    correction_of_snapshot: bool
+
+
+class EventInput(BaseModel):
+    session_id: str
+    event_key: str
+    type: str
+    turn: int
+    epoch: int
+    payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class CloseInput(BaseModel):
+    session_id: str
+    reason: str
+    turn: int
+    epoch: int

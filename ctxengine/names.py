@@ -1,0 +1,27 @@
+"""Permanent names: once deployed, renaming any of these breaks running workflows."""
+
+TASK_QUEUE = "ctxengine"
+
+WORKFLOW_SESSION = "SessionWorkflow"
+WORKFLOW_COMPACTION = "CompactionWorkflow"
+WORKFLOW_CHILD_RUN = "ChildRunWorkflow"
+
+ACTIVITY_OPEN = "session.open"
+ACTIVITY_BUILD = "context.build"
+ACTIVITY_MODEL = "model.call"
+ACTIVITY_TOOL = "tool.execute"
+ACTIVITY_WRITE_MEMORY = "memory.write"
+ACTIVITY_CLOSE = "session.close"
+ACTIVITY_EVENT = "event.record"
+
+UPDATE_SUBMIT_TURN = "submit_turn"
+UPDATE_REVOKE_TOOL = "revoke_tool"
+UPDATE_ROTATE_EPOCH = "rotate_epoch"
+UPDATE_WRITE_MEMORY = "write_memory"
+UPDATE_CLOSE_SESSION = "close_session"
+QUERY_STATE = "state"
+
+# Search attributes shown in the Temporal UI's list (registered on the dev server by ctxengine.embedded).
+SA_EPOCH = "CtxEpoch"
+SA_TURNS = "CtxTurns"
+SA_PREFIX_HASH = "CtxPrefixHash"

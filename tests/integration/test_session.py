@@ -1,0 +1,102 @@
+"""SessionWorkflow on the real Temporal dev server and PostgreSQL: turns, tools, trust, prefix stability."""
+
+from __future__ import annotations
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.service import RPCError
+
+from ctxengine import names
+from ctxengine.contract import RevokeTool, SessionState, WriteMemory
+from tests.integration.session_helpers import session_open, stack, start, turn
+
+pytestmark = pytest.mark.integration
+
+
+async def test_plain_turns_keep_one_prefix(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Three plain turns: each answered, one prefix hash, recorded in Postgres."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        results = [await turn(handle, f"hello number {i}") for i in range(3)]
+        assert [r.turn for r in results] == [1, 2, 3]
+        assert all(r.text.startswith("Noted:") for r in results)
+        assert len({r.prefix_sha256 for r in results}) == 1
+        records = await store.records(handle.id)
+        assert len(records) == 3
+        assert {r["prefix_sha256"] for r in records} == {results[0].prefix_sha256}
+        assert all(r["actual_input_tokens"] and r["actual_input_tokens"] <= r["estimated_tokens"] for r in records)
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.turns == 3 and state.metrics.prefix_hash_violations == 0
+
+
+async def test_tool_call_untrusted_result_and_revocation(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """An untrusted fetch is enveloped as EXTERNAL_UNTRUSTED; a revoked tool is denied, prefix unchanged."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        first = await turn(handle, 'check the page\n/call web.fetch {"url": "fixture://injection"}')
+        assert first.tool_calls[0].allowed and first.tool_calls[0].trust == "EXTERNAL_UNTRUSTED"
+        await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="web.fetch"), result_type=SessionState)
+        second = await turn(handle, 'again\n/call web.fetch {"url": "fixture://weather"}')
+        assert not second.tool_calls[0].allowed and second.tool_calls[0].is_error
+        assert "revoked" in second.tool_calls[0].summary
+        assert first.prefix_sha256 == second.prefix_sha256
+        items = await store.load_items(handle.id)
+        results = [r["payload"] for r in items if r["payload"]["kind"] == "tool_result"]
+        assert results[0]["trust"] == "EXTERNAL_UNTRUSTED" and results[0]["artifact_ref"].startswith("artifact:")
+        request = await store.get_request(second.plan.request_sha256)
+        untrusted = [s for s in request["body"] if s["trust"] == "EXTERNAL_UNTRUSTED"]
+        assert untrusted and all(s["text"].startswith("<<ctx:") for s in untrusted)
+
+
+async def test_bad_tool_calls_are_tool_errors(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A call outside the pinned set or with schema-invalid arguments becomes a readable tool error."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue)
+        res = await turn(handle, '/call shell.exec {"cmd": "rm -rf /"}\n/call web.fetch {"link": 3}')
+        assert [c.allowed for c in res.tool_calls] == [False, True]
+        assert "not in this session's tool set" in res.tool_calls[0].summary
+        assert "schema" in res.tool_calls[1].summary and res.tool_calls[1].is_error
+        assert (await turn(handle, "still alive?")).text.startswith("Noted:")
+
+
+async def test_prefix_over_ceiling_fails_open(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Agent instructions over 4,000 tokens fail the session at open, naming the class."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, session_open(agent_instructions="word " * 4_500))
+        with pytest.raises(WorkflowFailureError) as info:
+            await handle.result()
+        message = str(info.value.cause)
+        assert "agent_instructions" in message and "4,000" in message
+
+
+async def test_memory_write_reaches_recall_not_prefix(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A memory written mid-session is recalled in Region B; the prefix hash does not move."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        before = await turn(handle, "hello")
+        await handle.execute_update(names.UPDATE_WRITE_MEMORY, WriteMemory(text="The user's dog is called Rufus."))
+        after = await turn(handle, "what is my dog called?")
+        assert after.prefix_sha256 == before.prefix_sha256
+        request = await store.get_request(after.plan.request_sha256)
+        assert any(s["kind"] == "recall" and "Rufus" in s["text"] for s in request["body"])
+
+
+async def test_malformed_updates_are_rejected(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Blank text, unknown tools and a second close are rejected with clear messages; the session survives."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "first")
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await turn(handle, "   ")
+        assert "blank" in str(info.value.cause)
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="nope"))
+        assert "not in this session's tool set" in str(info.value.cause)
+        count = len(await store.load_items(handle.id))
+        assert (await turn(handle, "second")).turn == 2
+        assert len(await store.load_items(handle.id)) == count + 2
+        await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
+        assert (await handle.result())["status"] == "closed"
+        # The closed session's workflow has completed: Temporal itself refuses further updates.
+        with pytest.raises(RPCError, match="already completed"):
+            await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "again"})
