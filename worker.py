@@ -44,7 +44,8 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 async def connect(address: str, namespace: str | None = None) -> Client:
     return await Client.connect(
-        address, namespace=namespace or os.environ.get("TEMPORAL_NAMESPACE", "default"),
+        address,
+        namespace=namespace or os.environ.get("TEMPORAL_NAMESPACE", "default"),
         data_converter=pydantic_data_converter,
     )
 
@@ -57,7 +58,7 @@ async def search_attributes_registered(client: Client) -> bool:
         resp = await client.operator_service.list_search_attributes(
             ListSearchAttributesRequest(namespace=client.namespace)
         )
-    except Exception:  # noqa: BLE001 - no operator access (e.g. a cloud API key): run without them
+    except Exception:
         return False
     wanted = {names.SA_EPOCH, names.SA_TURNS, names.SA_PREFIX_HASH}
     return wanted <= set(resp.custom_attributes)
@@ -98,8 +99,15 @@ async def main() -> None:
         client = await connect(address)
         store = await stack.enter_async_context(Store.from_dsn(dsn))
         version = await store.migrate()
-        log.info("worker.starting", temporal=address, task_queue=names.TASK_QUEUE, schema_version=version)
-        async with running_worker(client, store):
+        task_queue = os.environ.get("CTXENGINE_TASK_QUEUE", names.TASK_QUEUE)
+        log.info(
+            "worker.starting",
+            temporal=address,
+            task_queue=task_queue,
+            schema_version=version,
+            pid=os.getpid(),
+        )
+        async with running_worker(client, store, task_queue=task_queue):
             await asyncio.Event().wait()
 
 

@@ -7,10 +7,12 @@ retry, so each write is idempotent and each activity returns what is stored, not
 
 from __future__ import annotations
 
-import math
+import asyncio
 import os
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Awaitable
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import jsonschema
 import structlog
@@ -21,7 +23,6 @@ from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS
-from core.budget import ContextBudget
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
 from core.errors import ContextError, NonYieldableOverflowError, PrefixOverflowError, WorkingStateCapError
 from core.estimator import ModelProfile, TokenEstimator, reconcile
@@ -73,6 +74,7 @@ from ctxengine.contract import (
 from ctxengine.events import EventType
 
 log = structlog.get_logger("ctxengine.activities")
+T = TypeVar("T")
 # Untrusted results larger than this live in an artifact; the log keeps the reference too.
 ARTIFACT_THRESHOLD = 0
 
@@ -133,18 +135,24 @@ class SessionActivities:
         if epoch not in cache.prefixes:
             row = await self.store.get_prefix(session_id, epoch)
             if row is None:
-                raise ApplicationError(f"session {session_id!r} has no prefix for epoch {epoch}",
-                                       type="UnknownEpoch", non_retryable=True)
-            cache.prefixes[epoch] = (FrozenPrefix.model_validate(row["prefix"]),
-                                     ModelProfile.model_validate(row["profile"]))
+                raise ApplicationError(
+                    f"session {session_id!r} has no prefix for epoch {epoch}",
+                    type="UnknownEpoch",
+                    non_retryable=True,
+                )
+            cache.prefixes[epoch] = (
+                FrozenPrefix.model_validate(row["prefix"]),
+                ModelProfile.model_validate(row["profile"]),
+            )
         return cache.prefixes[epoch]
 
     async def _profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
         return base.model_copy(update={"calibration": learned}) if learned else base
 
-    async def _event(self, session_id: str, key: str, type_: EventType, turn: int, epoch: int,
-                     payload: dict[str, Any]) -> None:
+    async def _event(
+        self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
+    ) -> None:
         if await self.store.add_event(session_id, key, type_.value, turn=turn, epoch=epoch, payload=payload):
             log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
 
@@ -159,9 +167,14 @@ class SessionActivities:
         existing = await self.store.get_prefix(inp.session_id, inp.epoch)
         if existing is not None:  # a retry, or a rotation replayed: the stored prefix is the truth
             prefix = FrozenPrefix.model_validate(existing["prefix"])
-            return OpenResult(epoch=inp.epoch, prefix_sha256=prefix.sha256, prefix_tokens=sum(prefix.class_tokens.values()),
-                              tokens_by_class=prefix.class_tokens, pinned_tools=_tool_names(prefix),
-                              search_attributes=self.search_attributes)
+            return OpenResult(
+                epoch=inp.epoch,
+                prefix_sha256=prefix.sha256,
+                prefix_tokens=sum(prefix.class_tokens.values()),
+                tokens_by_class=prefix.class_tokens,
+                pinned_tools=_tool_names(prefix),
+                search_attributes=self.search_attributes,
+            )
         budget = inp.open.context_budget()
         profile = await self._profile(inp.open.model_route.profile())
         tools = [
@@ -169,38 +182,80 @@ class SessionActivities:
             for t in inp.open.tools
             if t.name not in inp.revoked
         ]
-        tools.append(ToolDefinition(id=f"tool.{CONTROL_TOOL_NAME}", name=CONTROL_TOOL_NAME,
-                                    description=CONTROL_TOOL_DESCRIPTION, input_schema=control_tool_schema()))
+        tools.append(
+            ToolDefinition(
+                id=f"tool.{CONTROL_TOOL_NAME}",
+                name=CONTROL_TOOL_NAME,
+                description=CONTROL_TOOL_DESCRIPTION,
+                input_schema=control_tool_schema(),
+            )
+        )
         snapshot = [
-            MemorySnapshotEntry(id=f"memory.{r['memory_id']}", memory_id=r["memory_id"], text=r["text"],
-                                trust=TrustLevel(r["trust"]))
+            MemorySnapshotEntry(
+                id=f"memory.{r['memory_id']}",
+                memory_id=r["memory_id"],
+                text=r["text"],
+                trust=TrustLevel(r["trust"]),
+            )
             for r in await self.store.snapshot_memories(inp.open.memory_scope, budget.memory_snapshot_max_items)
         ]
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
         try:
             prefix = open_prefix(
-                PrefixInputs(epoch=inp.epoch, platform_policy=inp.open.platform_policy,
-                             agent_instructions=inp.open.agent_instructions, tools=tools, memory_snapshot=snapshot),
-                budget=budget, estimator=estimator, secret=secret,
+                PrefixInputs(
+                    epoch=inp.epoch,
+                    platform_policy=inp.open.platform_policy,
+                    agent_instructions=inp.open.agent_instructions,
+                    tools=tools,
+                    memory_snapshot=snapshot,
+                ),
+                budget=budget,
+                estimator=estimator,
+                secret=secret,
             )
         except PrefixOverflowError as exc:
-            await self._event(inp.session_id, f"open_failed:{inp.epoch}", EventType.SESSION_OPEN_FAILED, 0,
-                              inp.epoch, {"class": exc.budget_class, "tokens": exc.tokens, "cap": exc.cap,
-                                          "unit": exc.unit})
-            raise ApplicationError(str(exc), {"class": exc.budget_class, "tokens": exc.tokens, "cap": exc.cap},
-                                   type="PrefixOverflowError", non_retryable=True) from exc
+            await self._event(
+                inp.session_id,
+                f"open_failed:{inp.epoch}",
+                EventType.SESSION_OPEN_FAILED,
+                0,
+                inp.epoch,
+                {"class": exc.budget_class, "tokens": exc.tokens, "cap": exc.cap, "unit": exc.unit},
+            )
+            raise ApplicationError(
+                str(exc),
+                {"class": exc.budget_class, "tokens": exc.tokens, "cap": exc.cap},
+                type="PrefixOverflowError",
+                non_retryable=True,
+            ) from exc
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
-        await self.store.put_prefix(inp.session_id, inp.epoch, prefix.sha256, inp.reason,
-                                    profile.model_dump(mode="json"), prefix.model_dump(mode="json"))
+        await self.store.put_prefix(
+            inp.session_id,
+            inp.epoch,
+            prefix.sha256,
+            inp.reason,
+            profile.model_dump(mode="json"),
+            prefix.model_dump(mode="json"),
+        )
         stored = await self.store.get_prefix(inp.session_id, inp.epoch)
         assert stored is not None
         prefix = FrozenPrefix.model_validate(stored["prefix"])
-        log.info("session.opened", session_id=inp.session_id, epoch=inp.epoch, prefix_sha256=prefix.sha256,
-                 tokens=prefix.class_tokens)
-        return OpenResult(epoch=inp.epoch, prefix_sha256=prefix.sha256, prefix_tokens=sum(prefix.class_tokens.values()),
-                          tokens_by_class=prefix.class_tokens, pinned_tools=_tool_names(prefix),
-                          search_attributes=self.search_attributes)
+        log.info(
+            "session.opened",
+            session_id=inp.session_id,
+            epoch=inp.epoch,
+            prefix_sha256=prefix.sha256,
+            tokens=prefix.class_tokens,
+        )
+        return OpenResult(
+            epoch=inp.epoch,
+            prefix_sha256=prefix.sha256,
+            prefix_tokens=sum(prefix.class_tokens.values()),
+            tokens_by_class=prefix.class_tokens,
+            pinned_tools=_tool_names(prefix),
+            search_attributes=self.search_attributes,
+        )
 
     @activity.defn(name=names.ACTIVITY_BUILD)
     async def build_context(self, inp: BuildInput) -> BuildResult:
@@ -210,9 +265,18 @@ class SessionActivities:
         user_item_id = inp.user_item_id
         if inp.user_text is not None:
             user_item_id = f"u:{inp.update_id or inp.turn}"
-            await self.store.append_items(inp.session_id, inp.turn, [
-                {"id": user_item_id, "kind": "user_message", "trust": TrustLevel.USER.value, "text": inp.user_text}
-            ])
+            await self.store.append_items(
+                inp.session_id,
+                inp.turn,
+                [
+                    {
+                        "id": user_item_id,
+                        "kind": "user_message",
+                        "trust": TrustLevel.USER.value,
+                        "text": inp.user_text,
+                    }
+                ],
+            )
         prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
         profile = await self._profile(profile)
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
@@ -220,25 +284,50 @@ class SessionActivities:
         body = [_segment_json(s) for s in plan.segments if s.region.value == "B"]
         await self.store.put_request(plan.request_sha256, plan.prefix_sha256, body)
         hashes = await self.store.record_request(
-            inp.session_id, inp.turn, inp.call_index, epoch=inp.epoch, prefix_sha256=plan.prefix_sha256,
-            request_sha256=plan.request_sha256, estimated_tokens=plan.estimated_tokens, raw_tokens=plan.raw_tokens,
-            plan=plan.summary().model_dump(mode="json"), inputs=inputs,
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            epoch=inp.epoch,
+            prefix_sha256=plan.prefix_sha256,
+            request_sha256=plan.request_sha256,
+            estimated_tokens=plan.estimated_tokens,
+            raw_tokens=plan.raw_tokens,
+            plan=plan.summary().model_dump(mode="json"),
+            inputs=inputs,
         )
         if len(hashes) > 1:
             first = hashes[0]["prefix_sha256"]
             for row in hashes[1:]:
-                await self._event(inp.session_id, f"violation:{inp.epoch}:{row['prefix_sha256']}",
-                                  EventType.PREFIX_VIOLATION, inp.turn, inp.epoch,
-                                  {"expected": first, "got": row["prefix_sha256"], "first_turn": row["first_turn"]})
+                await self._event(
+                    inp.session_id,
+                    f"violation:{inp.epoch}:{row['prefix_sha256']}",
+                    EventType.PREFIX_VIOLATION,
+                    inp.turn,
+                    inp.epoch,
+                    {"expected": first, "got": row["prefix_sha256"], "first_turn": row["first_turn"]},
+                )
         if plan.yields:
-            await self._event(inp.session_id, f"yield:{inp.turn}:{inp.call_index}", EventType.YIELD_APPLIED,
-                              inp.turn, inp.epoch, {"yields": [y.model_dump(mode="json") for y in plan.yields]})
+            await self._event(
+                inp.session_id,
+                f"yield:{inp.turn}:{inp.call_index}",
+                EventType.YIELD_APPLIED,
+                inp.turn,
+                inp.epoch,
+                {"yields": [y.model_dump(mode="json") for y in plan.yields]},
+            )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
         return BuildResult(plan=plan.summary(), user_item_id=user_item_id)
 
-    async def _plan(self, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: _SessionCache,
-                    prefix: FrozenPrefix, estimator: TokenEstimator,
-                    user_item_id: str | None) -> tuple[ContextPlan, dict[str, Any]]:
+    async def _plan(
+        self,
+        inp: BuildInput,
+        open_: SessionOpen,
+        secret: bytes,
+        cache: _SessionCache,
+        prefix: FrozenPrefix,
+        estimator: TokenEstimator,
+        user_item_id: str | None,
+    ) -> tuple[ContextPlan, dict[str, Any]]:
         items = await self._items(inp.session_id, cache)
         user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
         turn_start = user.seq if user is not None else (items[-1].seq + 1 if items else 0)
@@ -259,11 +348,25 @@ class SessionActivities:
         snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
         query = user.text if user is not None else ""
         recall_rows = await self.store.search_memories(open_.memory_scope, query, limit=10, exclude=snapshot_ids)
-        recall = [RecallItem(id=f"recall.{r['memory_id']}", memory_id=r["memory_id"], rank=i, text=r["text"],
-                             trust=TrustLevel(r["trust"])) for i, r in enumerate(recall_rows)]
-        corrections = [CorrectionLine(id=f"correction.{r['memory_id']}", memory_id=r["corrects"], text=r["text"],
-                                      trust=TrustLevel(r["trust"]))
-                       for r in await self.store.corrections(open_.memory_scope, snapshot_ids)]
+        recall = [
+            RecallItem(
+                id=f"recall.{r['memory_id']}",
+                memory_id=r["memory_id"],
+                rank=i,
+                text=r["text"],
+                trust=TrustLevel(r["trust"]),
+            )
+            for i, r in enumerate(recall_rows)
+        ]
+        corrections = [
+            CorrectionLine(
+                id=f"correction.{r['memory_id']}",
+                memory_id=r["corrects"],
+                text=r["text"],
+                trust=TrustLevel(r["trust"]),
+            )
+            for r in await self.store.corrections(open_.memory_scope, snapshot_ids)
+        ]
         body = BodyInputs(
             history=history,
             checkpoint=checkpoint,
@@ -272,9 +375,11 @@ class SessionActivities:
             recall=recall,
             corrections=corrections,
             working_state=WorkingStateBlock(id=f"working_state.{inp.turn}.{inp.call_index}", text=ws_text)
-            if ws_text else None,
-            turn_context=TurnContext(id=f"clock.{inp.turn}.{inp.call_index}",
-                                     text=f"Current date and time (UTC): {inp.now_iso}"),
+            if ws_text
+            else None,
+            turn_context=TurnContext(
+                id=f"clock.{inp.turn}.{inp.call_index}", text=f"Current date and time (UTC): {inp.now_iso}"
+            ),
         )
         try:
             plan = build(prefix, body, budget=budget, estimator=estimator, secret=secret, cache=cache.render)
@@ -303,8 +408,11 @@ class SessionActivities:
         open_, _, cache = await self._session(inp.session_id)
         record = await self.store.get_record(inp.session_id, inp.turn, inp.call_index)
         if record is None or record["request_sha256"] != inp.request_sha256:
-            raise ApplicationError(f"no stored request {inp.request_sha256} for turn {inp.turn}",
-                                   type="UnknownRequest", non_retryable=True)
+            raise ApplicationError(
+                f"no stored request {inp.request_sha256} for turn {inp.turn}",
+                type="UnknownRequest",
+                non_retryable=True,
+            )
         prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
         stored = await self.store.get_request(inp.request_sha256)
         assert stored is not None
@@ -313,38 +421,72 @@ class SessionActivities:
         route = open_.model_route
         provider = self.providers.get(route.provider)
         if provider is None:
-            raise ApplicationError(f"provider {route.provider!r} is not configured on this worker",
-                                   type="ProviderNotConfigured", non_retryable=True)
+            raise ApplicationError(
+                f"provider {route.provider!r} is not configured on this worker",
+                type="ProviderNotConfigured",
+                non_retryable=True,
+            )
         request = ProviderRequest(
-            session_id=inp.session_id, epoch=inp.epoch, provider=route.provider, model=route.model,
-            prefix_sha256=prefix.sha256, request_sha256=inp.request_sha256, segments=segments,
+            session_id=inp.session_id,
+            epoch=inp.epoch,
+            provider=route.provider,
+            model=route.model,
+            prefix_sha256=prefix.sha256,
+            request_sha256=inp.request_sha256,
+            segments=segments,
             tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
             usage_ratio=route.scripted_usage_ratio,
         )
-        reply = await provider.complete(request)
+        reply = await _heartbeating(provider.complete(request))
         base = f"t{inp.turn}.m{inp.call_index}"
         new_items: list[dict[str, Any]] = []
         if reply.text:
             new_items.append({"id": f"{base}.text", "kind": "assistant_message", "trust": "MODEL", "text": reply.text})
         for j, call in enumerate(reply.tool_calls):
-            new_items.append({"id": f"{base}.call{j}", "kind": "tool_call", "trust": "MODEL", "call_id": call.call_id,
-                              "tool_name": call.name, "arguments": call.arguments})
+            new_items.append(
+                {
+                    "id": f"{base}.call{j}",
+                    "kind": "tool_call",
+                    "trust": "MODEL",
+                    "call_id": call.call_id,
+                    "tool_name": call.name,
+                    "arguments": call.arguments,
+                }
+            )
         await self.store.append_items(inp.session_id, inp.turn, new_items)
         items = {i.id: i for i in await self._items(inp.session_id, cache) if i.id.startswith(base + ".")}
         text_item = items.get(f"{base}.text")
         calls = [i for i in items.values() if isinstance(i, ToolCall)]
-        await self.store.record_usage(inp.session_id, inp.turn, inp.call_index, actual=reply.usage.input_tokens,
-                                      cached=reply.usage.cached_tokens, output=reply.usage.output_tokens)
+        await self.store.record_usage(
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            actual=reply.usage.input_tokens,
+            cached=reply.usage.cached_tokens,
+            output=reply.usage.output_tokens,
+        )
         profile = await self._profile(route.profile())
-        learned, rec = reconcile(profile, raw_tokens=record["raw_tokens"], estimated_tokens=record["estimated_tokens"],
-                                 actual_tokens=reply.usage.input_tokens)
+        learned, rec = reconcile(
+            profile,
+            raw_tokens=record["raw_tokens"],
+            estimated_tokens=record["estimated_tokens"],
+            actual_tokens=reply.usage.input_tokens,
+        )
         await self.store.set_calibration(profile.route, learned.calibration)
-        await self._event(inp.session_id, f"reconciled:{inp.turn}:{inp.call_index}", EventType.ESTIMATOR_RECONCILED,
-                          inp.turn, inp.epoch, rec.model_dump(mode="json"))
+        await self._event(
+            inp.session_id,
+            f"reconciled:{inp.turn}:{inp.call_index}",
+            EventType.ESTIMATOR_RECONCILED,
+            inp.turn,
+            inp.epoch,
+            rec.model_dump(mode="json"),
+        )
         return ModelResult(
             text=text_item.text if isinstance(text_item, AssistantMessage) else "",
-            tool_calls=[ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments)
-                        for c in sorted(calls, key=lambda c: c.seq)],
+            tool_calls=[
+                ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments)
+                for c in sorted(calls, key=lambda c: c.seq)
+            ],
             input_tokens=reply.usage.input_tokens,
             cached_tokens=reply.usage.cached_tokens,
             output_tokens=reply.usage.output_tokens,
@@ -366,39 +508,68 @@ class SessionActivities:
         if inp.call.name == CONTROL_TOOL_NAME and not is_error:
             writes = await self.store.working_state_writes(inp.session_id)
             ws_text = render(self._working_state(writes, self.counter("cl100k_base").count, inp.turn + 1))
-        await self.store.append_items(inp.session_id, inp.turn, [{
-            "id": result_id, "kind": "tool_result", "trust": trust.value, "call_id": inp.call.call_id,
-            "tool_name": inp.call.name, "content": content, "is_error": is_error, "artifact_ref": artifact,
-        }])
+        await self.store.append_items(
+            inp.session_id,
+            inp.turn,
+            [
+                {
+                    "id": result_id,
+                    "kind": "tool_result",
+                    "trust": trust.value,
+                    "call_id": inp.call.call_id,
+                    "tool_name": inp.call.name,
+                    "content": content,
+                    "is_error": is_error,
+                    "artifact_ref": artifact,
+                }
+            ],
+        )
         stored = next(i for i in await self._items(inp.session_id, cache) if i.id == result_id)
         assert isinstance(stored, ToolResult)
         return _summary(stored, self.counter("cl100k_base").count(stored.content), ws_text)
 
-    async def _run_tool(self, inp: ToolInput, open_: SessionOpen,
-                        items: list[HistoryItem]) -> tuple[str, TrustLevel, bool, str | None]:
+    async def _run_tool(
+        self, inp: ToolInput, open_: SessionOpen, items: list[HistoryItem]
+    ) -> tuple[str, TrustLevel, bool, str | None]:
         if not inp.allowed:
             return f"error: call denied by policy: {inp.denial}", TrustLevel.PLATFORM, True, None
         if inp.call.name == CONTROL_TOOL_NAME:
             return await self._update_working_state(inp, items)
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
-            return f"error: tool {inp.call.name!r} is not in this session's tool set", TrustLevel.PLATFORM, True, None
+            return (
+                f"error: tool {inp.call.name!r} is not in this session's tool set",
+                TrustLevel.PLATFORM,
+                True,
+                None,
+            )
         try:
             jsonschema.validate(inp.call.arguments, spec.input_schema)
         except jsonschema.ValidationError as exc:
             path = "/".join(str(p) for p in exc.absolute_path) or "(arguments)"
-            return f"error: arguments do not match the tool's schema at {path}: {exc.message}", TrustLevel.PLATFORM, True, None
+            return (
+                f"error: arguments do not match the tool's schema at {path}: {exc.message}",
+                TrustLevel.PLATFORM,
+                True,
+                None,
+            )
         executor = EXECUTORS.get(inp.call.name)
         if executor is None:
-            return f"error: no executor for tool {inp.call.name!r} on this worker", TrustLevel.PLATFORM, True, None
-        out = executor(inp.call.arguments)
+            return (
+                f"error: no executor for tool {inp.call.name!r} on this worker",
+                TrustLevel.PLATFORM,
+                True,
+                None,
+            )
+        out = await executor(inp.call.arguments)
         artifact = None
         if out.trust is TrustLevel.EXTERNAL_UNTRUSTED and len(out.content) > ARTIFACT_THRESHOLD:
             artifact = "artifact:" + await self.store.put_artifact(out.content, trust=out.trust.value)
         return out.content, out.trust, out.is_error, artifact
 
-    async def _update_working_state(self, inp: ToolInput,
-                                    items: list[HistoryItem]) -> tuple[str, TrustLevel, bool, str | None]:
+    async def _update_working_state(
+        self, inp: ToolInput, items: list[HistoryItem]
+    ) -> tuple[str, TrustLevel, bool, str | None]:
         try:
             update = WorkingStateUpdate.model_validate(inp.call.arguments)
         except ValueError as exc:
@@ -407,24 +578,41 @@ class SessionActivities:
         writes = await self.store.working_state_writes(inp.session_id)
         state = self._working_state(writes, count, inp.turn + 1)
         turn_items = [i for i in items if i.id.startswith(f"t{inp.turn}.") or i.id.startswith("u:")]
-        untrusted = any(isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED for i in turn_items
-                        if i.id.startswith(f"t{inp.turn}."))
+        untrusted = any(
+            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED
+            for i in turn_items
+            if i.id.startswith(f"t{inp.turn}.")
+        )
         try:
             apply(state, update, writer="model", count=count, untrusted_in_context=untrusted)
         except ContextError as exc:
-            await self._event(inp.session_id, f"ws_rejected:{inp.call.item_id}", EventType.WORKING_STATE_REJECTED,
-                              inp.turn, inp.epoch, {"error": str(exc)})
+            await self._event(
+                inp.session_id,
+                f"ws_rejected:{inp.call.item_id}",
+                EventType.WORKING_STATE_REJECTED,
+                inp.turn,
+                inp.epoch,
+                {"error": str(exc)},
+            )
             return f"error: {exc}", TrustLevel.PLATFORM, True, None
         write = WorkingStateWrite(turn=inp.turn, writer="model", untrusted_in_context=untrusted, update=update)
-        await self.store.add_working_state_write(inp.session_id, inp.call.item_id, inp.turn, write.model_dump(mode="json"))
+        await self.store.add_working_state_write(
+            inp.session_id, inp.call.item_id, inp.turn, write.model_dump(mode="json")
+        )
         return "working state updated", TrustLevel.PLATFORM, False, None
 
     @activity.defn(name=names.ACTIVITY_WRITE_MEMORY)
     async def write_memory(self, inp: MemoryInput) -> MemoryResult:
         """Store a memory (or a correction). It reaches recall and corrections, never the frozen snapshot."""
         memory_id = inp.write.memory_id or f"{inp.session_id}:{inp.update_id}"
-        await self.store.write_memory(inp.scope, memory_id, inp.write.text, trust=TrustLevel.USER.value,
-                                      session_id=inp.session_id, corrects=inp.write.corrects)
+        await self.store.write_memory(
+            inp.scope,
+            memory_id,
+            inp.write.text,
+            trust=TrustLevel.USER.value,
+            session_id=inp.session_id,
+            corrects=inp.write.corrects,
+        )
         _, _, cache = await self._session(inp.session_id)
         prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
         snapshot_ids = {s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"}
@@ -441,8 +629,26 @@ class SessionActivities:
         await self._event(inp.session_id, inp.event_key, EventType(inp.type), inp.turn, inp.epoch, inp.payload)
 
     def all(self) -> list[Any]:
-        return [self.open_session, self.build_context, self.call_model, self.execute_tool, self.write_memory,
-                self.close_session, self.record_event]
+        return [
+            self.open_session,
+            self.build_context,
+            self.call_model,
+            self.execute_tool,
+            self.write_memory,
+            self.close_session,
+            self.record_event,
+        ]
+
+
+async def _heartbeating(work: Awaitable[T]) -> T:
+    """Await `work`, heartbeating meanwhile, so a dead worker's call is retried within the heartbeat timeout."""
+    task = asyncio.ensure_future(work)
+    interval = (activity.info().heartbeat_timeout or timedelta(seconds=30)).total_seconds() / 3
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=interval)
+        if done:
+            return task.result()
+        activity.heartbeat()
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:
@@ -454,14 +660,24 @@ def _segment_json(seg: Any) -> dict[str, Any]:
 
 
 def _provider_segment(data: dict[str, Any]) -> ProviderSegment:
-    return ProviderSegment(role=data["role"], kind=data["kind"], trust=data["trust"], region=data["region"],
-                           text=data["text"], item_id=data["item_id"], call_id=data.get("call_id"))
+    return ProviderSegment(
+        role=data["role"],
+        kind=data["kind"],
+        trust=data["trust"],
+        region=data["region"],
+        text=data["text"],
+        item_id=data["item_id"],
+        call_id=data.get("call_id"),
+    )
 
 
 def _summary(item: ToolResult, tokens: int, ws_text: str | None) -> ToolResultSummary:
     flat = " ".join(item.content.split())
-    return ToolResultSummary(item_id=item.id, is_error=item.is_error, trust=item.trust.value, tokens=tokens,
-                             summary=flat[:120], working_state=ws_text)
-
-
-_ = (math, ContextBudget)
+    return ToolResultSummary(
+        item_id=item.id,
+        is_error=item.is_error,
+        trust=item.trust.value,
+        tokens=tokens,
+        summary=flat[:120],
+        working_state=ws_text,
+    )

@@ -5,6 +5,7 @@ Real adapters (OpenAI-compatible, Anthropic) plug in behind the same port.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -63,6 +64,19 @@ class ModelProvider(Protocol):
 
 
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
+_SLEEP = re.compile(r"^/sleep\s+([0-9]+(?:\.[0-9]+)?)\s*$", re.MULTILINE)
+MAX_SCRIPTED_SLEEP = 30.0
+_CONVERSATION = frozenset(
+    {
+        "current_message",
+        "user_message",
+        "assistant_message",
+        "tool_call",
+        "tool_result",
+        "elided_span",
+        "checkpoint_summary",
+    }
+)
 
 
 class ScriptedProvider:
@@ -70,7 +84,8 @@ class ScriptedProvider:
 
     - each line `/call TOOL {json args}` in the current message becomes a tool call;
     - after tool results it answers with what came back (names and sizes, never the untrusted text);
-    - otherwise it acknowledges the message.
+    - otherwise it acknowledges the message;
+    - a line `/sleep SECONDS` makes the model take that long to answer (latency, and crash tests).
 
     Usage is the tiktoken count of the request times the route's `usage_ratio` (to stand in for a provider
     whose tokenizer counts more), and a prefix it has seen before is reported as cached, like a provider's
@@ -84,10 +99,15 @@ class ScriptedProvider:
 
     async def complete(self, request: ProviderRequest) -> ProviderReply:
         segs = request.segments
-        last = segs[-1] if segs else None
+        # The conversation, without per-request context (recall, corrections, working state, the clock).
+        convo = [s for s in segs if s.kind in _CONVERSATION]
+        last = convo[-1] if convo else None
         calls: list[ProviderToolCall] = []
         if last is not None and last.kind == "current_message":
             text = _content_of(last.text)
+            delay = _SLEEP.search(text)
+            if delay:
+                await asyncio.sleep(min(float(delay.group(1)), MAX_SCRIPTED_SLEEP))
             for index, match in enumerate(_DIRECTIVE.finditer(text)):
                 try:
                     args = json.loads(match.group(2)) if match.group(2) else {}
@@ -97,14 +117,13 @@ class ScriptedProvider:
                 calls.append(ProviderToolCall(call_id=f"call_{digest}", name=match.group(1), arguments=args))
             reply = "" if calls else f"Noted: {_first_words(text)}"
         else:
-            results = [s for s in reversed(segs) if s.role == "tool"]
             tail: list[ProviderSegment] = []
-            for s in reversed(segs):
+            for s in reversed(convo):
                 if s.role != "tool":
                     break
                 tail.append(s)
-            described = ", ".join(f"{s.kind} {s.item_id} ({len(s.text)} chars, {s.trust})" for s in reversed(tail))
-            reply = f"Done. Tool results: {described or 'none'}." if results else "Done."
+            described = ", ".join(f"{s.item_id} ({s.trust}, {len(s.text)} chars)" for s in reversed(tail))
+            reply = f"Done. Tool results: {described}." if tail else "Done."
         input_text = "".join(s.text for s in segs)
         input_tokens = math.ceil((self.counter.count(input_text) + 4 * len(segs)) * request.usage_ratio)
         prefix_text = "".join(s.text for s in segs if s.region == "A")
@@ -120,7 +139,9 @@ class ScriptedProvider:
             text=reply,
             tool_calls=calls,
             usage=ProviderUsage(
-                input_tokens=input_tokens, cached_tokens=cached, output_tokens=self.counter.count(reply) + 8 * len(calls)
+                input_tokens=input_tokens,
+                cached_tokens=cached,
+                output_tokens=self.counter.count(reply) + 8 * len(calls),
             ),
         )
 

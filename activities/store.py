@@ -61,7 +61,9 @@ WHERE session_id = $1 AND turn = $2 AND call_index = $3"""
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1"""
-SQL_EVENTS = "SELECT event_key, type, turn, epoch, payload, created_at FROM events WHERE session_id = $1 ORDER BY created_at"
+SQL_EVENTS = (
+    "SELECT event_key, type, turn, epoch, payload, created_at FROM events WHERE session_id = $1 ORDER BY created_at"
+)
 SQL_WRITE_MEMORY = """
 INSERT INTO memories (scope, memory_id, text, trust, source_session, corrects) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (scope, memory_id) DO NOTHING"""
@@ -177,7 +179,13 @@ class Store:
         return await self.pool.fetchrow(SQL_GET_ARTIFACT, sha)
 
     async def put_prefix(
-        self, session_id: str, epoch: int, sha: str, reason: str, profile: dict[str, Any], prefix: dict[str, Any]
+        self,
+        session_id: str,
+        epoch: int,
+        sha: str,
+        reason: str,
+        profile: dict[str, Any],
+        prefix: dict[str, Any],
     ) -> None:
         await self.pool.execute(SQL_PUT_PREFIX, session_id, epoch, sha, reason, profile, prefix)
 
@@ -208,8 +216,17 @@ class Store:
         """Record one request; returns the distinct prefix hashes of its epoch (first seen first)."""
         async with self.pool.acquire() as conn:
             await conn.execute(
-                SQL_RECORD_REQUEST, session_id, turn, call_index, epoch, prefix_sha256, request_sha256,
-                estimated_tokens, raw_tokens, plan, inputs,
+                SQL_RECORD_REQUEST,
+                session_id,
+                turn,
+                call_index,
+                epoch,
+                prefix_sha256,
+                request_sha256,
+                estimated_tokens,
+                raw_tokens,
+                plan,
+                inputs,
             )
             return await conn.fetch(SQL_DISTINCT_PREFIXES, session_id, epoch)
 
@@ -236,7 +253,14 @@ class Store:
 
     # ------------------------------------------------------------ memories
     async def write_memory(
-        self, scope: str, memory_id: str, text: str, *, trust: str, session_id: str | None, corrects: str | None
+        self,
+        scope: str,
+        memory_id: str,
+        text: str,
+        *,
+        trust: str,
+        session_id: str | None,
+        corrects: str | None,
     ) -> None:
         await self.pool.execute(SQL_WRITE_MEMORY, scope, memory_id, text, trust, session_id, corrects)
 
@@ -272,8 +296,14 @@ class Store:
     # ------------------------------------------------------------ checkpoints
     async def put_checkpoint(self, session_id: str, checkpoint: dict[str, Any]) -> None:
         await self.pool.execute(
-            SQL_PUT_CHECKPOINT, session_id, checkpoint["checkpoint_id"], checkpoint.get("parent_id"),
-            checkpoint["depth"], checkpoint["covers_from_seq"], checkpoint["covers_to_seq"], checkpoint,
+            SQL_PUT_CHECKPOINT,
+            session_id,
+            checkpoint["checkpoint_id"],
+            checkpoint.get("parent_id"),
+            checkpoint["depth"],
+            checkpoint["covers_from_seq"],
+            checkpoint["covers_to_seq"],
+            checkpoint,
         )
 
     async def latest_checkpoint(self, session_id: str) -> dict[str, Any] | None:

@@ -56,7 +56,7 @@ SEED = 20_200
 CONTEXT_WINDOW = 200_000
 TOOL_PAIRS_PER_1000 = 100  # 100 ToolCall/ToolResult pairs per 1,000 history items
 UNTRUSTED_SHARE = 0.20  # of tool results
-WARMUP_TURNS = 3
+WARMUP_TURNS = 10  # untimed turns first: the first builds after the cold phase run slower
 DOCS_ROUNDS_MAX = 5  # trim_messages with the docs' counter takes about half a second per call
 COLD_BIG_ROUNDS_MAX = 5  # a cold build at 10,000 items renders and counts every item
 
@@ -338,9 +338,7 @@ def region_a(gen: TextGen) -> PrefixInputs:
         MemorySnapshotEntry(id=f"mem.m{i:02d}", memory_id=f"m{i:02d}", text=gen.prose(rng.randint(10, 18)))
         for i in range(16)
     ]
-    return PrefixInputs(
-        platform_policy=policy, agent_instructions=instructions, tools=tools, memory_snapshot=memories
-    )
+    return PrefixInputs(platform_policy=policy, agent_instructions=instructions, tools=tools, memory_snapshot=memories)
 
 
 def user_text(gen: TextGen) -> str:
@@ -478,9 +476,7 @@ def docs_tiktoken_counter(messages: list[Any]) -> int:
     tokens_per_name = 1
     for msg in messages:
         role = _role(msg)
-        num_tokens += (
-            tokens_per_message + _docs_str_token_counter(role) + _docs_str_token_counter(msg.content)
-        )
+        num_tokens += tokens_per_message + _docs_str_token_counter(role) + _docs_str_token_counter(msg.content)
         if msg.name:
             num_tokens += tokens_per_name + _docs_str_token_counter(msg.name)
     return num_tokens
@@ -633,7 +629,10 @@ class ScaleResult:
     distinct_cold: int = 0
     counts_warm: list[int] = field(default_factory=list)
     turns: list[Session] = field(default_factory=list)
-    plans: list[ContextPlan] = field(default_factory=list)
+    # Per warm turn: the final segment texts and the request hash, for the floor. Plans are not kept (a
+    # session drops a plan once sent; keeping 30 ten-megabyte plans alive would change what is measured).
+    floor_inputs: list[tuple[list[str], str]] = field(default_factory=list)
+    last_plan: ContextPlan | None = None
 
 
 def measure_builds(
@@ -685,9 +684,25 @@ def measure_builds(
             result.warm_ns.append(ns)
             result.body_ns.append(ns_body)
             result.turns.append(session)
-            result.plans.append(plan)
+            result.floor_inputs.append(([seg.text for seg in plan.segments], plan.request_sha256))
+            result.last_plan = plan
+            del plan
             progress.advance()
     return result
+
+
+def measure_floor(inputs: Sequence[tuple[list[str], str]], progress: _Progress, label: str) -> list[int]:
+    """Join each warm build's final segment texts and SHA-256 them; check it is the build's own hash."""
+    progress.phase(f"floor: join + sha256, {label} items", len(inputs))
+    floor_ns: list[int] = []
+    with timed_section():
+        for texts, request_sha256 in inputs:
+            ns, digest = clock(lambda t=texts: hashlib.sha256("".join(t).encode()).hexdigest())
+            floor_ns.append(ns)
+            if digest != request_sha256:
+                raise AssertionError("the floor must hash the same bytes the build produced")
+            progress.advance()
+    return floor_ns
 
 
 def run(
@@ -744,25 +759,14 @@ def run(
         )
 
         # The floor: join and hash the warm builds' final segment texts (the same bytes the plans carry).
-        bar.phase("floor: join + sha256", rounds)
-        floor_ns: list[int] = []
-        segment_texts = [[s.text for s in plan.segments] for plan in small.plans]
-        with timed_section():
-            for texts, plan in zip(segment_texts, small.plans, strict=True):
-                ns, digest = clock(lambda t=texts: hashlib.sha256("".join(t).encode()).hexdigest())
-                floor_ns.append(ns)
-                if digest != plan.request_sha256:
-                    raise AssertionError("the floor must hash the same bytes the build produced")
-                bar.advance()
+        floor_ns = measure_floor(small.floor_inputs, bar, f"{items:,}")
 
         # trim_messages on the same turns: same history, same input budget, system message = Region A.
         lc_base = to_langchain(prefix, small.turns[0].history[: len(small_log)])
         lc_turns: list[list[Any]] = []
         for session in small.turns:
             lc_turns.append(
-                lc_base
-                + [lc_message(h) for h in session.history[len(small_log) :]]
-                + [lc_message(session.current)]
+                lc_base + [lc_message(h) for h in session.history[len(small_log) :]] + [lc_message(session.current)]
             )
 
         def trim(messages: list[Any], token_counter: Callable[[list[Any]], int]) -> list[Any]:
@@ -811,9 +815,10 @@ def run(
             progress=bar,
             label=f"{big_items:,}",
         )
+        floor_big_ns = measure_floor(big.floor_inputs, bar, f"{big_items:,}")
 
-    last = small.plans[-1]
-    last_big = big.plans[-1]
+    last, last_big = small.last_plan, big.last_plan
+    assert last is not None and last_big is not None
     content_tokens = sum(tiktoken_counter.count(h.body_text()) for h in small_log)
     warm_p50 = p50(small.warm_ns)
     warm_big_p50 = p50(big.warm_ns)
@@ -824,6 +829,7 @@ def run(
     speedup_docs = trim_docs_p50 / warm_p50
     ratio_floor = warm_p50 / floor_p50
     scaling = warm_big_p50 / warm_p50
+    floor_big_p50 = p50(floor_big_ns)
     pairs = sum(isinstance(h, ToolCall) for h in small_log)
     untrusted = sum(isinstance(h, ToolResult) and h.trust is TrustLevel.EXTERNAL_UNTRUSTED for h in small_log)
 
@@ -878,6 +884,9 @@ def run(
         "trim_messages_input_tokens": lc_tokens_all,
         "floor_p50_ms": floor_p50,
         "floor_p95_ms": percentile(floor_ns, 95),
+        "floor_10k_p50_ms": floor_big_p50,
+        "floor_10k_p95_ms": percentile(floor_big_ns, 95),
+        "request_bytes_10k": len(last_big.text.encode()),
         # Each distinct item is counted (and rendered) once.
         "counts_cold_build": small.counts_cold,
         "distinct_items_cold_build": small.distinct_cold,
@@ -891,6 +900,8 @@ def run(
         "speedup_vs_trim_docs": speedup_docs,
         "speedup_vs_trim_cached": speedup_cached,
         "ratio_to_floor": ratio_floor,
+        "ratio_to_floor_10k": warm_big_p50 / floor_big_p50,
+        "floor_scaling_10k_over_1k": floor_big_p50 / floor_p50,
         "scaling_10k_over_1k": scaling,
     }
 

@@ -175,7 +175,9 @@ def open_prefix(
         text = "".join(s.text for s in segments if s.budget_class is cls)
         tools = len(inputs.tools) if cls is BudgetClass.TOOLS else 0
         # Measured exactly: one count of the class's exact bytes, in the provider's units.
-        tokens = math.ceil((estimator.count(text) + tools * estimator.profile.per_tool_tokens) * estimator.profile.calibration)
+        tokens = math.ceil(
+            (estimator.count(text) + tools * estimator.profile.per_tool_tokens) * estimator.profile.calibration
+        )
         class_tokens[cls.value] = tokens
     for cls, cap in caps.items():
         if class_tokens[cls.value] > cap:
@@ -255,8 +257,14 @@ def build(
             capped.append(r.id)
             capped_tokens += e
     if capped:
-        yields.append(YieldApplied(step=YieldStep.RECALL_DROPPED, reason="cap", item_ids=capped,
-                                   tokens_freed=math.ceil(capped_tokens)))
+        yields.append(
+            YieldApplied(
+                step=YieldStep.RECALL_DROPPED,
+                reason="cap",
+                item_ids=capped,
+                tokens_freed=math.ceil(capped_tokens),
+            )
+        )
 
     # Older history; tool results within their share of the body, oldest truncated to pointers first.
     older_segs = [(h, cache.segment(h, estimator)) for h in older]
@@ -285,8 +293,14 @@ def build(
             freed += delta
             freed_ids.append(original.id)
         if freed_ids:
-            yields.append(YieldApplied(step=YieldStep.TOOL_RESULTS_TO_POINTERS, reason=reason,
-                                       item_ids=freed_ids, tokens_freed=math.ceil(freed)))
+            yields.append(
+                YieldApplied(
+                    step=YieldStep.TOOL_RESULTS_TO_POINTERS,
+                    reason=reason,
+                    item_ids=freed_ids,
+                    tokens_freed=math.ceil(freed),
+                )
+            )
 
     truncate_until(lambda: results_total <= results_cap, "cap")
 
@@ -302,8 +316,14 @@ def build(
             recall_total -= e
             dropped.append(r.id)
             freed += e
-        yields.append(YieldApplied(step=YieldStep.RECALL_DROPPED, reason="pressure", item_ids=dropped,
-                                   tokens_freed=math.ceil(freed)))
+        yields.append(
+            YieldApplied(
+                step=YieldStep.RECALL_DROPPED,
+                reason="pressure",
+                item_ids=dropped,
+                tokens_freed=math.ceil(freed),
+            )
+        )
     if total() > available:
         # Yield 2: tool results to typed pointers, oldest first.
         truncate_until(lambda: total() <= available, "pressure")
@@ -374,8 +394,8 @@ __all__ = [
     "BodyInputs",
     "FrozenPrefix",
     "PrefixInputs",
-    "RenderCache",
     "Region",
+    "RenderCache",
     "build",
     "open_prefix",
     "render_item",

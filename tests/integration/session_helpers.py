@@ -12,7 +12,7 @@ from temporalio.client import Client, WorkflowHandle
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from ctxengine import names
-from ctxengine.contract import ActivityTimeouts, SessionOpen, SessionWorkflowInput, TurnInput, TurnResult
+from ctxengine.contract import ActivityTimeouts, SessionOpen, TurnInput, TurnResult
 from worker import running_worker
 
 FAST = ActivityTimeouts(build_seconds=5, model_seconds=5, model_heartbeat_seconds=5, tool_seconds=5)
@@ -36,11 +36,12 @@ async def stack(client: Client, dsn: str, task_queue: str, **worker_kw: Any) -> 
             yield store
 
 
-async def start(client: Client, task_queue: str, open_: SessionOpen | None = None,
-                session_id: str | None = None) -> WorkflowHandle[Any, Any]:
+async def start(
+    client: Client, task_queue: str, open_: SessionOpen | None = None, session_id: str | None = None
+) -> WorkflowHandle[Any, Any]:
     return await client.start_workflow(
         names.WORKFLOW_SESSION,
-        SessionWorkflowInput(open=open_ or session_open()),
+        open_ or session_open(),
         id=session_id or f"session-{uuid.uuid4().hex[:12]}",
         task_queue=task_queue,
     )

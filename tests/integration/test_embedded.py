@@ -98,9 +98,7 @@ class TestPostgres:
         name = await _fetchval(pg_dsn, "SELECT current_database()")
         assert isinstance(name, str) and name.startswith("test_")
         assert name != await _fetchval(pg_server, "SELECT current_database()")
-        tables = await _fetchval(
-            pg_dsn, "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
-        )
+        tables = await _fetchval(pg_dsn, "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'")
         assert tables == 0
         _seen_databases.add(name)
 
@@ -197,7 +195,5 @@ class TestTemporal:
                 await second.stop()
             assert first.running
             client = await Client.connect(first.address)
-            await client.workflow_service.describe_namespace(
-                DescribeNamespaceRequest(namespace=first.namespace)
-            )
+            await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=first.namespace))
         assert not first.running

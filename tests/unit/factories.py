@@ -52,7 +52,9 @@ def prefix_inputs(**overrides: object) -> PrefixInputs:
 
 
 def prefix(budget: ContextBudget | None = None, **overrides: object) -> FrozenPrefix:
-    return open_prefix(prefix_inputs(**overrides), budget=budget or ContextBudget(), estimator=estimator(), secret=SECRET)
+    return open_prefix(
+        prefix_inputs(**overrides), budget=budget or ContextBudget(), estimator=estimator(), secret=SECRET
+    )
 
 
 def history(turns: int, *, words: int = 40, tool_every: int = 2, untrusted_every: int = 5) -> list[HistoryItem]:

@@ -18,7 +18,11 @@ class TestDefaults:
         assert (b.platform_policy_tokens, b.agent_instructions_tokens) == (2_000, 4_000)
         assert (b.tools_max_count, b.tools_tokens) == (30, 6_000)
         assert (b.memory_snapshot_max_items, b.memory_snapshot_tokens) == (40, 1_500)
-        assert (b.working_state_tokens, b.retrieved_context_tokens, b.tool_results_share) == (1_000, 2_000, 0.25)
+        assert (b.working_state_tokens, b.retrieved_context_tokens, b.tool_results_share) == (
+            1_000,
+            2_000,
+            0.25,
+        )
 
     def test_output_reserve_is_subtracted_first(self) -> None:
         """The input limit is the window less the output reserve."""
@@ -39,10 +43,20 @@ class TestDefaults:
     def test_history_fills_a_larger_window(self) -> None:
         """A history that needs compaction in a small window fits in a large one."""
         body = f.body(60)
-        small = build(f.prefix(), body, budget=ContextBudget(context_window=8_000, output_reserve=1_000),
-                      estimator=f.estimator(), secret=f.SECRET)
-        large = build(f.prefix(), body, budget=ContextBudget(context_window=64_000, output_reserve=1_000),
-                      estimator=f.estimator(), secret=f.SECRET)
+        small = build(
+            f.prefix(),
+            body,
+            budget=ContextBudget(context_window=8_000, output_reserve=1_000),
+            estimator=f.estimator(),
+            secret=f.SECRET,
+        )
+        large = build(
+            f.prefix(),
+            body,
+            budget=ContextBudget(context_window=64_000, output_reserve=1_000),
+            estimator=f.estimator(),
+            secret=f.SECRET,
+        )
         assert small.status == "needs_compaction"
         assert large.status == "fits"
 
@@ -54,8 +68,11 @@ class TestPrefixNeverYields:
             ({"agent_instructions": "word " * 4_500}, "agent_instructions", 4_000),
             ({"platform_policy": "rule " * 2_100}, "platform_policy", 2_000),
             (
-                {"memory_snapshot": [MemorySnapshotEntry(id=f"m{i}", memory_id=f"m{i}", text="fact " * 60)
-                                     for i in range(30)]},
+                {
+                    "memory_snapshot": [
+                        MemorySnapshotEntry(id=f"m{i}", memory_id=f"m{i}", text="fact " * 60) for i in range(30)
+                    ]
+                },
                 "memory_snapshot",
                 1_500,
             ),

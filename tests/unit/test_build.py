@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from core.budget import ContextBudget
 from core.build import BodyInputs, RenderCache, build
-from core.items import CorrectionLine, CurrentUserMessage, RecallItem, TurnContext, UserMessage, WorkingStateBlock
+from core.items import (
+    CorrectionLine,
+    CurrentUserMessage,
+    RecallItem,
+    TurnContext,
+    UserMessage,
+    WorkingStateBlock,
+)
 from core.plan import PlanStatus
 from tests.unit import factories as f
 
@@ -43,7 +50,9 @@ class TestPurity:
         cache = RenderCache(f.SECRET)
         body = f.body(1)
         _build(body, cache)
-        changed = body.model_copy(update={"current": CurrentUserMessage(id="current", seq=body.current.seq, text="other")})
+        changed = body.model_copy(
+            update={"current": CurrentUserMessage(id="current", seq=body.current.seq, text="other")}
+        )
         assert "other" in _build(changed, cache).text
 
     def test_each_item_is_rendered_once(self) -> None:
@@ -112,8 +121,14 @@ class TestPlan:
         """A plan reports tokens per class, the prefix and body split, and its status."""
         plan = _build(f.body(4))
         assert plan.status is PlanStatus.FITS and plan.deficit_tokens == 0
-        assert {"platform_policy", "agent_instructions", "tools", "memory_snapshot", "history",
-                "current_message"} <= set(plan.tokens_by_class)
+        assert {
+            "platform_policy",
+            "agent_instructions",
+            "tools",
+            "memory_snapshot",
+            "history",
+            "current_message",
+        } <= set(plan.tokens_by_class)
         assert plan.estimated_tokens == plan.prefix_tokens + plan.body_tokens
         summary = plan.summary()
         assert summary.segments == len(plan.segments) and summary.prefix_sha256 == plan.prefix_sha256

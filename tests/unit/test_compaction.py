@@ -24,9 +24,15 @@ def _history() -> list:  # type: ignore[type-arg]
 
 
 def _checkpoint(plan, summary: str = "summary") -> Checkpoint:  # type: ignore[no-untyped-def]
-    return Checkpoint(checkpoint_id=f"cp{plan.depth}", parent_id=plan.parent_id, depth=plan.depth,
-                      covers_from_seq=plan.covers_from_seq, covers_to_seq=plan.covers_to_seq, summary=summary,
-                      pointers=plan.pointers)
+    return Checkpoint(
+        checkpoint_id=f"cp{plan.depth}",
+        parent_id=plan.parent_id,
+        depth=plan.depth,
+        covers_from_seq=plan.covers_from_seq,
+        covers_to_seq=plan.covers_to_seq,
+        summary=summary,
+        pointers=plan.pointers,
+    )
 
 
 class TestPolicy:
@@ -39,7 +45,11 @@ class TestPolicy:
         untrusted = {h.id for h in hist if h.trust is TrustLevel.EXTERNAL_UNTRUSTED and h.seq < hist[-1].seq}
         assert {p.original_id for p in plan.pointers} == untrusted
         for p in plan.pointers:
-            assert p.trust is TrustLevel.EXTERNAL_UNTRUSTED and p.original_tokens > 0 and p.reference.startswith("artifact:")
+            assert (
+                p.trust is TrustLevel.EXTERNAL_UNTRUSTED
+                and p.original_tokens > 0
+                and p.reference.startswith("artifact:")
+            )
 
     def test_chunks_are_bounded(self) -> None:
         """Every summarizer input is at most the chunk size, even for one oversized item."""
@@ -85,11 +95,17 @@ class TestRegionBOnly:
         prefix = f.prefix()
         before = build(prefix, body, budget=budget, estimator=f.estimator(), secret=f.SECRET)
         assert before.status == "needs_compaction"
-        plan = plan_compaction(body.history, current=None, keep_from_seq=body.history[-8].seq, count=count,
-                               chunk_tokens=2_000)
+        plan = plan_compaction(
+            body.history, current=None, keep_from_seq=body.history[-8].seq, count=count, chunk_tokens=2_000
+        )
         cp = _checkpoint(plan, "the user asked 32 questions about lorem")
-        after = build(prefix, BodyInputs(**{**body.__dict__, "checkpoint": cp}), budget=budget,
-                      estimator=f.estimator(), secret=f.SECRET)
+        after = build(
+            prefix,
+            BodyInputs(**{**body.__dict__, "checkpoint": cp}),
+            budget=budget,
+            estimator=f.estimator(),
+            secret=f.SECRET,
+        )
         assert after.prefix_sha256 == before.prefix_sha256
         assert after.status == "fits"
         assert find_orphans(after.segments) == []

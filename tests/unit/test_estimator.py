@@ -56,8 +56,12 @@ class TestReconcile:
     def test_after_reconciliation_estimates_do_not_underestimate(self, true_ratio: float, sizes: list[int]) -> None:
         """For a provider whose tokenizer counts a fixed ratio more, estimates stay at or above actual once learned."""
         profile = ModelProfile()
-        _, first = reconcile(profile, raw_tokens=sizes[0], estimated_tokens=0, actual_tokens=math.ceil(sizes[0] * true_ratio))
-        profile, _ = reconcile(profile, raw_tokens=sizes[0], estimated_tokens=0, actual_tokens=math.ceil(sizes[0] * true_ratio))
+        _, first = reconcile(
+            profile, raw_tokens=sizes[0], estimated_tokens=0, actual_tokens=math.ceil(sizes[0] * true_ratio)
+        )
+        profile, _ = reconcile(
+            profile, raw_tokens=sizes[0], estimated_tokens=0, actual_tokens=math.ceil(sizes[0] * true_ratio)
+        )
         for raw in sizes[1:]:
             est = TokenEstimator(profile, f.COUNTER)
             estimate = est.body_tokens(raw, 0)

@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.build import FRAMING_ID, POLICY_ID, BodyInputs, build
 from core.budget import ContextBudget
+from core.build import FRAMING_ID, POLICY_ID, BodyInputs, build
 from core.items import (
     AgentInstructions,
     CorrectionLine,
@@ -80,7 +80,7 @@ class TestOrder:
         items[0], items[-1] = items[-1], items[0]
         try:
             check_order(items)
-        except Exception as exc:  # noqa: BLE001 - asserting on the message below
+        except Exception as exc:
             assert "out of assembly order" in str(exc)
         else:
             raise AssertionError("misordered items passed check_order")
@@ -94,7 +94,9 @@ class TestOrder:
             history=base.history,
             turn_start_seq=base.turn_start_seq,
             current=base.current,
-            recall=[RecallItem(id=f"rc{i}", memory_id=f"m{i}", rank=recalls - i, text="recall") for i in range(recalls)],
+            recall=[
+                RecallItem(id=f"rc{i}", memory_id=f"m{i}", rank=recalls - i, text="recall") for i in range(recalls)
+            ],
             corrections=[CorrectionLine(id="cor1", memory_id="m1", text="fixed")],
             working_state=WorkingStateBlock(id="ws", text="state"),
             turn_context=TurnContext(id="clock", text="2026-11-30T23:59:00Z"),

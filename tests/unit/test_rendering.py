@@ -160,9 +160,7 @@ any_char = st.characters(exclude_categories=())
 any_text = st.text(any_char, max_size=80)
 fragment_text = st.lists(st.one_of(st.sampled_from(FRAGMENTS), any_text), max_size=12).map("".join)
 content_text = st.one_of(any_text, fragment_text)
-attr_text = st.one_of(
-    st.text(any_char, max_size=20), st.lists(st.sampled_from(FRAGMENTS), max_size=5).map("".join)
-)
+attr_text = st.one_of(st.text(any_char, max_size=20), st.lists(st.sampled_from(FRAGMENTS), max_size=5).map("".join))
 platform_text = st.one_of(
     st.text(st.characters(exclude_categories=(), exclude_characters="<"), max_size=40),
     st.just(FRAMING_TEXT + "\n"),
@@ -245,9 +243,7 @@ class TestRoundTrip:
 class TestManyEnvelopes:
     @settings(max_examples=200, deadline=None)
     @given(st.lists(st.tuples(platform_text, content_text, attr_text), max_size=6), platform_text)
-    def test_concatenation_parses_to_rendered_list(
-        self, parts: list[tuple[str, str, str]], tail: str
-    ) -> None:
+    def test_concatenation_parses_to_rendered_list(self, parts: list[tuple[str, str, str]], tail: str) -> None:
         """Envelopes between random platform text parse back to exactly the rendered list, in order."""
         expected: list[Envelope] = []
         pieces: list[str] = []
@@ -256,14 +252,10 @@ class TestManyEnvelopes:
             nonce = derive_nonce(SECRET, item_id)
             pieces.append(platform)
             pieces.append(
-                render_envelope(
-                    content, nonce=nonce, source=source, trust="EXTERNAL_UNTRUSTED", item_id=item_id
-                )
+                render_envelope(content, nonce=nonce, source=source, trust="EXTERNAL_UNTRUSTED", item_id=item_id)
             )
             expected.append(
-                Envelope(
-                    nonce=nonce, source=source, trust="EXTERNAL_UNTRUSTED", item_id=item_id, content=content
-                )
+                Envelope(nonce=nonce, source=source, trust="EXTERNAL_UNTRUSTED", item_id=item_id, content=content)
             )
         pieces.append(tail)
         assert parse_envelopes("".join(pieces)) == expected
@@ -283,17 +275,13 @@ class TestAttackCorpus:
         assert len(set(texts)) == len(texts)
         assert len({kind for kind, _ in ATTACKS}) >= 15
 
-    @pytest.mark.parametrize(
-        ("kind", "attack"), ATTACKS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(ATTACKS)]
-    )
+    @pytest.mark.parametrize(("kind", "attack"), ATTACKS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(ATTACKS)])
     def test_attack_stays_inside_its_envelope(self, kind: str, attack: str) -> None:
         """Among other envelopes, an attack (even with the real nonce) parses back exactly and stays inert."""
         nonce = derive_nonce(SECRET, "attack")
         content = attack.replace(REAL_NONCE, nonce)
         before = render("first item", "before")
-        target = render_envelope(
-            content, nonce=nonce, source=kind, trust="EXTERNAL_UNTRUSTED", item_id="attack"
-        )
+        target = render_envelope(content, nonce=nonce, source=kind, trust="EXTERNAL_UNTRUSTED", item_id="attack")
         after = render("last item", "after")
         context = FRAMING_TEXT + "\n" + before + "platform text\n" + target + after
         parsed = parse_envelopes(context)
@@ -377,9 +365,7 @@ class TestParseErrors:
     def test_mismatched_closer_nonce(self) -> None:
         """A closer whose nonce differs from its opener's is rejected with both nonces named."""
         other = derive_nonce(SECRET, "other")
-        rendered = render("x", "item-1").replace(
-            f"<</ctx:{derive_nonce(SECRET, 'item-1')}>>", f"<</ctx:{other}>>"
-        )
+        rendered = render("x", "item-1").replace(f"<</ctx:{derive_nonce(SECRET, 'item-1')}>>", f"<</ctx:{other}>>")
         with pytest.raises(EnvelopeParseError, match=f"nonce {other}.*offset 0"):
             parse_envelopes(rendered)
 

@@ -15,8 +15,13 @@ from tests.unit import factories as f
 
 
 def _plan(history):  # type: ignore[no-untyped-def]
-    return build(f.prefix(), BodyInputs(history=history, turn_start_seq=10_000), budget=ContextBudget(),
-                 estimator=f.estimator(), secret=f.SECRET)
+    return build(
+        f.prefix(),
+        BodyInputs(history=history, turn_start_seq=10_000),
+        budget=ContextBudget(),
+        estimator=f.estimator(),
+        secret=f.SECRET,
+    )
 
 
 class TestPairs:
@@ -33,15 +38,22 @@ class TestPairs:
     def test_result_before_call_is_an_orphan(self) -> None:
         """A result placed before its call is malformed."""
         with pytest.raises(OrphanedToolItemError):
-            _plan([
-                ToolResult(id="r1", seq=0, call_id="x", tool_name="t00", content="c"),
-                ToolCall(id="c1", seq=1, call_id="x", tool_name="t00"),
-            ])
+            _plan(
+                [
+                    ToolResult(id="r1", seq=0, call_id="x", tool_name="t00", content="c"),
+                    ToolCall(id="c1", seq=1, call_id="x", tool_name="t00"),
+                ]
+            )
 
     def test_pointer_keeps_the_pair_whole(self) -> None:
         """A truncated result still answers its call."""
-        plan = build(f.prefix(), f.body(30), budget=ContextBudget(context_window=7_000, output_reserve=500),
-                     estimator=f.estimator(), secret=f.SECRET)
+        plan = build(
+            f.prefix(),
+            f.body(30),
+            budget=ContextBudget(context_window=7_000, output_reserve=500),
+            estimator=f.estimator(),
+            secret=f.SECRET,
+        )
         assert find_orphans(plan.segments) == []
         assert any(s.kind == "elided_span" for s in plan.segments)
 

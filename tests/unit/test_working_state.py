@@ -33,8 +33,15 @@ def add(op: str, n: int) -> WorkingStateUpdate:
 
 
 class TestCaps:
-    @pytest.mark.parametrize(("op", "field"), [("add_constraint", "constraints"), ("add_task", "tasks"),
-                                                ("add_fact", "facts"), ("add_question", "open_questions")])
+    @pytest.mark.parametrize(
+        ("op", "field"),
+        [
+            ("add_constraint", "constraints"),
+            ("add_task", "tasks"),
+            ("add_fact", "facts"),
+            ("add_question", "open_questions"),
+        ],
+    )
     def test_write_past_cap_fails_and_changes_nothing(self, op: str, field: str) -> None:
         """Filling a field to its cap works; one more fails with a typed error and the state is unchanged."""
         cap = CAPS[field]
@@ -68,14 +75,20 @@ class TestCaps:
         state = apply(WorkingState(), add("add_constraint", 1), writer="model", count=count)
         with pytest.raises(WorkingStateError, match="only the runtime"):
             apply(state, upd({"op": "remove_constraint", "id": "c1"}), writer="model", count=count)
-        assert apply(state, upd({"op": "remove_constraint", "id": "c1"}), writer="runtime", count=count).constraints == []
+        assert (
+            apply(state, upd({"op": "remove_constraint", "id": "c1"}), writer="runtime", count=count).constraints == []
+        )
 
     def test_batch_is_all_or_nothing(self) -> None:
         """A batch with one bad operation applies none of them."""
         state = WorkingState()
         with pytest.raises(WorkingStateError, match="t99"):
-            apply(state, upd({"op": "add_task", "text": "a"}, {"op": "set_task_status", "id": "t99", "status": "done"}),
-                  writer="model", count=count)
+            apply(
+                state,
+                upd({"op": "add_task", "text": "a"}, {"op": "set_task_status", "id": "t99", "status": "done"}),
+                writer="model",
+                count=count,
+            )
         assert state.tasks == []
 
     def test_untrusted_context_taints_facts(self) -> None:
@@ -100,9 +113,18 @@ class TestTypedTool:
 class TestCarry:
     def test_done_tasks_do_not_carry(self) -> None:
         """At a turn boundary done tasks are dropped; constraints, facts and questions carry."""
-        state = apply(WorkingState(), upd({"op": "add_task", "text": "a"}, {"op": "add_task", "text": "b"},
-                                          {"op": "add_constraint", "text": "c"}, {"op": "add_fact", "text": "f"},
-                                          {"op": "add_question", "text": "q"}), writer="model", count=count)
+        state = apply(
+            WorkingState(),
+            upd(
+                {"op": "add_task", "text": "a"},
+                {"op": "add_task", "text": "b"},
+                {"op": "add_constraint", "text": "c"},
+                {"op": "add_fact", "text": "f"},
+                {"op": "add_question", "text": "q"},
+            ),
+            writer="model",
+            count=count,
+        )
         state = apply(state, upd({"op": "set_task_status", "id": "t1", "status": "done"}), writer="model", count=count)
         carried = carry(state)
         assert [t.text for t in carried.tasks] == ["b"]
@@ -113,7 +135,9 @@ class TestCarry:
         writes = [
             WorkingStateWrite(turn=0, writer="model", update=add("add_constraint", 1)),
             WorkingStateWrite(turn=1, writer="model", update=add("add_task", 2)),
-            WorkingStateWrite(turn=1, writer="model", update=upd({"op": "set_task_status", "id": "t2", "status": "done"})),
+            WorkingStateWrite(
+                turn=1, writer="model", update=upd({"op": "set_task_status", "id": "t2", "status": "done"})
+            ),
             WorkingStateWrite(turn=3, writer="model", update=add("add_fact", 1)),
         ]
         at2 = fold(writes, count=count, upto_turn=2)

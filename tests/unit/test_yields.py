@@ -23,7 +23,9 @@ def _body(turns: int, recalls: int = 4) -> BodyInputs:
     base = f.body(turns)
     return base.model_copy(
         update={
-            "recall": [RecallItem(id=f"rc{i}", memory_id=f"m{i}", rank=i, text="recalled " * 80) for i in range(recalls)]
+            "recall": [
+                RecallItem(id=f"rc{i}", memory_id=f"m{i}", rank=i, text="recalled " * 80) for i in range(recalls)
+            ]
         }
     )
 

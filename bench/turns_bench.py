@@ -1,0 +1,603 @@
+"""`ctxengine bench turns`: per-turn latency and throughput of the engine against a bare Temporal floor.
+
+One run, one Temporal server, one PostgreSQL, one process. Two workers with the same settings poll two task
+queues of the same server: the engine (`worker.running_worker`: the real `SessionWorkflow`, the real
+activities, the real store, the scripted provider) and the floor (`bench.floor_workflow.FloorWorkflow`: an
+Update running two no-op activities, the irreducible build and model call). Measured side by side:
+
+- latency: one engine session and one floor session, `turns` plain turns each (no tool call), interleaved
+  turn by turn so both see the same server state; the first turn of each session (the engine's opens the
+  session) is not timed. A turn's latency is the wall time of `execute_update` as a caller sees it;
+- throughput: for each N in `sessions`, N sessions each doing `turns_per_session` turns concurrently
+  (`asyncio.gather`); turns/s = all turns / wall time, the sessions started and their first turn taken
+  before the clock starts; floor first, then the engine, at each N;
+- a long engine session of `long_turns` turns: p50 of its last 10% of turns against its first 10%, the
+  event count and size of every run in its continue-as-new chain (walked through the histories, each run's
+  last event naming the next run), the largest single event (no prompt travels through history) and the
+  resident memory of this process, which is the worker, before and after.
+
+Every figure is measured in the run; nothing is stubbed or written in. With `address`/`dsn` (the tests'
+fixtures) or TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL, those servers are used; otherwise the embedded dev
+server (with the recommended flags, `ctxengine.embedded.dev_server_extra_args`) and PostgreSQL are started
+under a temporary CTXENGINE_HOME and stopped at the end. See docs/benchmarks.md, section "bench turns".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import math
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import structlog
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Worker
+
+from activities.store import Store
+from activities.tools import DEMO_TOOLS
+from bench.floor_workflow import (
+    FLOOR_ACTIVITIES,
+    UPDATE_TURN,
+    WORKFLOW_FLOOR,
+    FloorInput,
+    FloorTurn,
+    FloorTurnResult,
+    FloorWorkflow,
+)
+from ctxengine import names
+from ctxengine.contract import SessionOpen, TurnInput, TurnResult
+from worker import connect, running_worker
+
+# Targets from the issue.
+OVERHEAD_TARGET = 1.5  # engine p50 within 1.5x of the floor's
+THROUGHPUT_TARGET = 0.7  # engine turns/s at least 0.7x the floor's at the largest concurrency
+GROWTH_TARGET = 1.2  # long session: p50 of the last 10% of turns within 1.2x of the first 10%
+HISTORY_EVENTS_LIMIT = 10_000  # no run over this many events
+
+MAX_CACHED_WORKFLOWS = 1_000  # running_worker's default; the floor worker gets the same
+DEFAULT_SESSIONS = (20, 100)
+DEFAULT_TURNS_PER_SESSION = 5
+WARMUP_TURNS = 5
+CLOSE_CONCURRENCY = 50
+MB = 1024 * 1024
+
+AGENT_INSTRUCTIONS = (
+    "You are a careful research assistant for an engineering team. Answer briefly, cite what tools return, "
+    "and keep a running list of open questions in the working state."
+)
+
+Turn = Callable[[str], Awaitable[str]]
+
+
+# ------------------------------------------------------------------------------------------------ figures
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty sample."""
+    if not values:
+        raise ValueError("percentile of an empty sample")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 2)
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b > 0 else math.inf
+
+
+def _plain_text(i: int) -> str:
+    return f"Plain turn {i}: here is a short status note about the migration; no tools needed, just acknowledge."
+
+
+def _rss_mb() -> float:
+    gc.collect()
+    return psutil.Process().memory_info().rss / MB
+
+
+# ------------------------------------------------------------------------------------------------ progress
+
+
+class _Progress:
+    """rich progress bars on stderr, or nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._bar: Any = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+
+    def __enter__(self) -> _Progress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    async def __aenter__(self) -> _Progress:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
+    def task(self, description: str, total: int) -> Callable[[int], None]:
+        if self._bar is None:
+            return lambda n=1: None
+        task_id = self._bar.add_task(description, total=total)
+        return lambda n=1: self._bar.advance(task_id, n)
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """structlog to stderr at WARNING while the bench runs (stdout carries only the JSON); restored after."""
+    before = structlog.get_config()
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    try:
+        yield
+    finally:
+        structlog.configure(**before)
+
+
+# ------------------------------------------------------------------------------------------------ sessions
+
+
+@dataclass
+class _Bench:
+    client: Client
+    engine_queue: str
+    floor_queue: str
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    handles: list[WorkflowHandle[Any, Any]] = field(default_factory=list)
+    engine_turns: int = 0
+
+    def session_open(self) -> SessionOpen:
+        return SessionOpen.model_validate({"agent_instructions": AGENT_INSTRUCTIONS, "tools": DEMO_TOOLS})
+
+    async def engine(self, label: str) -> tuple[WorkflowHandle[Any, Any], Turn]:
+        handle = await self.client.start_workflow(
+            names.WORKFLOW_SESSION,
+            args=[self.session_open(), None],  # TEMP
+            id=f"bench-engine-{self.tag}-{label}",
+            task_queue=self.engine_queue,
+        )
+        self.handles.append(handle)
+
+        async def turn(text: str) -> str:
+            result: TurnResult = await handle.execute_update(
+                names.UPDATE_SUBMIT_TURN, TurnInput(text=text), result_type=TurnResult
+            )
+            # A real turn: the scripted model answered through build and call_model, one model call.
+            if not result.text.startswith("Noted:") or result.model_calls != 1:
+                raise RuntimeError(f"engine turn {result.turn} did not complete as a plain turn: {result!r}")
+            self.engine_turns += 1
+            return result.text
+
+        return handle, turn
+
+    async def floor(self, label: str) -> tuple[WorkflowHandle[Any, Any], Turn]:
+        handle = await self.client.start_workflow(
+            WORKFLOW_FLOOR,
+            FloorInput(),
+            id=f"bench-floor-{self.tag}-{label}",
+            task_queue=self.floor_queue,
+        )
+        self.handles.append(handle)
+
+        async def turn(text: str) -> str:
+            result: FloorTurnResult = await handle.execute_update(
+                UPDATE_TURN, FloorTurn(text=text), result_type=FloorTurnResult
+            )
+            if result.text != text:
+                raise RuntimeError(f"floor turn {result.turn} returned {result.text!r}")
+            return result.text
+
+        return handle, turn
+
+    async def terminate_all(self) -> None:
+        sem = asyncio.Semaphore(CLOSE_CONCURRENCY)
+
+        async def stop(handle: WorkflowHandle[Any, Any]) -> None:
+            async with sem:
+                with contextlib.suppress(Exception):
+                    await handle.terminate(reason="bench turns finished")
+
+        await asyncio.gather(*(stop(h) for h in self.handles))
+        self.handles.clear()
+
+
+async def _timed(turn: Turn, text: str) -> float:
+    t0 = time.perf_counter()
+    await turn(text)
+    return time.perf_counter() - t0
+
+
+async def _throughput(
+    make: Callable[[str], Awaitable[tuple[WorkflowHandle[Any, Any], Turn]]],
+    label: str,
+    sessions: int,
+    turns_per_session: int,
+    tick: Callable[[int], None],
+) -> float:
+    """N sessions, each opened with one untimed turn, then `turns_per_session` turns each, all concurrent."""
+    made = await asyncio.gather(*(make(f"{label}-{i}") for i in range(sessions)))
+    turns = [t for _, t in made]
+    await asyncio.gather(*(t(_plain_text(0)) for t in turns))
+
+    async def session(turn: Turn) -> None:
+        for i in range(1, turns_per_session + 1):
+            await turn(_plain_text(i))
+            tick(1)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session(t) for t in turns))
+    wall = time.perf_counter() - t0
+    return sessions * turns_per_session / wall
+
+
+# ------------------------------------------------------------------------------------------------ history
+
+
+@dataclass
+class _RunHistory:
+    run_id: str
+    events: int
+    bytes: int
+    largest_event_bytes: int
+    activities: int
+    workflow_tasks: int
+    updates: int
+
+
+async def _history_chain(client: Client, workflow_id: str, first_run_id: str) -> list[_RunHistory]:
+    """Every run of a continue-as-new chain, from the first: each run's last event names the next run."""
+    runs: list[_RunHistory] = []
+    run_id: str | None = first_run_id
+    while run_id:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        events = list(history.events)
+        sizes = [e.ByteSize() for e in events]
+        kinds = [e.event_type for e in events]
+        runs.append(
+            _RunHistory(
+                run_id=run_id,
+                events=len(events),
+                bytes=sum(sizes),
+                largest_event_bytes=max(sizes, default=0),
+                activities=kinds.count(EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED),
+                workflow_tasks=kinds.count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED),
+                updates=kinds.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED),
+            )
+        )
+        last = events[-1] if events else None
+        if last is not None and last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
+            run_id = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+        else:
+            run_id = None
+    return runs
+
+
+async def _history_mark(client: Client, handle: WorkflowHandle[Any, Any]) -> int:
+    """How many events the session's current run has so far."""
+    return len((await client.get_workflow_handle(handle.id).fetch_history()).events)
+
+
+async def _turn_breakdown(client: Client, handle: WorkflowHandle[Any, Any], since: int, turns: int) -> dict[str, float]:
+    """Per timed turn, from the server's own history of the events after `since`: events and bytes written,
+    activities and workflow tasks, and the p50 of each activity type's run time (started to completed),
+    of activity schedule-to-start and of workflow task run time (started to completed)."""
+    events = list((await client.get_workflow_handle(handle.id).fetch_history()).events)
+    by_id = {e.event_id: e for e in events}
+    mine = events[since:]
+
+    def at(e: Any) -> float:
+        return float(e.event_time.seconds) + e.event_time.nanos / 1e9
+
+    runs: dict[str, list[float]] = {}
+    to_start: list[float] = []
+    wft: list[float] = []
+    for e in mine:
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            attrs = e.activity_task_completed_event_attributes
+            scheduled, started = by_id[attrs.scheduled_event_id], by_id[attrs.started_event_id]
+            name = scheduled.activity_task_scheduled_event_attributes.activity_type.name
+            runs.setdefault(name, []).append(at(e) - at(started))
+            to_start.append(at(started) - at(scheduled))
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            started = by_id[e.workflow_task_completed_event_attributes.started_event_id]
+            wft.append(at(e) - at(started))
+    kinds = [e.event_type for e in mine]
+    out: dict[str, float] = {
+        "history_events_per_turn": round(len(mine) / turns, 2),
+        "history_bytes_per_turn": round(sum(e.ByteSize() for e in mine) / turns, 1),
+        "activities_per_turn": round(kinds.count(EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED) / turns, 2),
+        "workflow_tasks_per_turn": round(len(wft) / turns, 2),
+        "workflow_task_p50_ms": _ms(percentile(wft, 50)) if wft else 0.0,
+        "activity_schedule_to_start_p50_ms": _ms(percentile(to_start, 50)) if to_start else 0.0,
+    }
+    for name, values in sorted(runs.items()):
+        out[f"activity_{name.replace('.', '_')}_p50_ms"] = _ms(percentile(values, 50))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ database
+
+
+class _DbCounts:
+    """PostgreSQL round trips and their wall time, by the activity type that made them."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def add(self, calls: int, seconds: float) -> None:
+        who = activity.info().activity_type if activity.in_activity() else "other"
+        self.calls[who] = self.calls.get(who, 0) + calls
+        self.seconds[who] = self.seconds.get(who, 0.0) + seconds
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, float]]:
+        return dict(self.calls), dict(self.seconds)
+
+
+class _CountingConnection:
+    """An asyncpg connection that counts each query (and BEGIN/COMMIT) as a round trip."""
+
+    def __init__(self, conn: Any, counts: _DbCounts) -> None:
+        self._conn = conn
+        self._counts = counts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def _timed(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await getattr(self._conn, method)(*args, **kwargs)
+        finally:
+            self._counts.add(1, time.perf_counter() - t0)
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("execute", *args, **kwargs)
+
+    async def fetch(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("fetch", *args, **kwargs)
+
+    async def fetchrow(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("fetchrow", *args, **kwargs)
+
+    async def fetchval(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("fetchval", *args, **kwargs)
+
+    def transaction(self, *args: Any, **kwargs: Any) -> Any:
+        self._counts.add(2, 0.0)  # BEGIN and COMMIT (their time lands in the surrounding block)
+        return self._conn.transaction(*args, **kwargs)
+
+
+class _CountingPool(_CountingConnection):
+    """The store's pool, counting round trips; `acquire()` hands out counting connections."""
+
+    @asynccontextmanager
+    async def acquire(self, *args: Any, **kwargs: Any) -> AsyncIterator[_CountingConnection]:
+        async with self._conn.acquire(*args, **kwargs) as conn:
+            yield _CountingConnection(conn, self._counts)
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+@asynccontextmanager
+async def _services(address: str | None, dsn: str | None) -> AsyncIterator[tuple[str, str]]:
+    """The given servers, or the embedded ones under a temporary CTXENGINE_HOME (removed after)."""
+    from ctxengine.embedded import embedded_postgres, temporal_dev_server
+
+    async with AsyncExitStack() as stack:
+        home: Path | None = None
+        if address is None or dsn is None:
+            home = Path(tempfile.mkdtemp(prefix="ctxengine-bench-"))
+            home.chmod(0o755)  # run as root, PostgreSQL's own user must traverse it
+            stack.callback(shutil.rmtree, home, True)
+        if address is None:
+            assert home is not None
+            address = await stack.enter_async_context(temporal_dev_server(home, ui=False))
+        if dsn is None:
+            assert home is not None
+            dsn = await stack.enter_async_context(embedded_postgres(home))
+        yield address, dsn
+
+
+async def run(
+    *,
+    turns: int = 50,
+    long_turns: int = 2_000,
+    progress: bool = False,
+    sessions: Sequence[int] = DEFAULT_SESSIONS,
+    turns_per_session: int = DEFAULT_TURNS_PER_SESSION,
+    warmup_turns: int = WARMUP_TURNS,
+    address: str | None = None,
+    dsn: str | None = None,
+    namespace: str | None = None,
+) -> dict[str, Any]:
+    """Run the whole bench and return a flat dict of JSON-serialisable figures (ratios and verdicts last)."""
+    if turns < 1 or long_turns < 10 or turns_per_session < 1 or not sessions:
+        raise ValueError("turns >= 1, long_turns >= 10, turns_per_session >= 1 and at least one concurrency")
+    with _quiet_logs():
+        async with _services(address, dsn) as (address_, dsn_):
+            client = await connect(address_, namespace)
+            async with Store.from_dsn(dsn_) as store:
+                await store.migrate()
+                return await _measure(
+                    client,
+                    store,
+                    turns=turns,
+                    long_turns=long_turns,
+                    progress=progress,
+                    sessions=sorted(set(sessions)),
+                    turns_per_session=turns_per_session,
+                    warmup_turns=warmup_turns,
+                )
+
+
+async def _measure(
+    client: Client,
+    store: Store,
+    *,
+    turns: int,
+    long_turns: int,
+    progress: bool,
+    sessions: list[int],
+    turns_per_session: int,
+    warmup_turns: int,
+) -> dict[str, Any]:
+    suffix = uuid.uuid4().hex[:8]
+    bench = _Bench(client, engine_queue=f"bench-engine-{suffix}", floor_queue=f"bench-floor-{suffix}")
+    floor_worker = Worker(
+        client,
+        task_queue=bench.floor_queue,
+        workflows=[FloorWorkflow],
+        activities=FLOOR_ACTIVITIES,
+        max_cached_workflows=MAX_CACHED_WORKFLOWS,
+    )
+    db = _DbCounts()
+    counted = Store(_CountingPool(store.pool, db))  # type: ignore[arg-type]  # the real pool, its queries counted
+    out: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
+    async with (
+        running_worker(client, counted, task_queue=bench.engine_queue, max_cached_workflows=MAX_CACHED_WORKFLOWS),
+        floor_worker,
+        _Progress(progress) as bars,
+    ):
+        try:
+            # Warm-up: imports, tokenizer, sandbox, connection pool, the server's task queues. Not timed.
+            tick = bars.task("warm-up", 2 * warmup_turns)
+            (_, engine), (_, floor) = await bench.engine("warmup"), await bench.floor("warmup")
+            for i in range(warmup_turns):
+                await floor(_plain_text(i))
+                await engine(_plain_text(i))
+                tick(2)
+
+            # Latency: one session each, interleaved turn by turn; the opening turn is not timed.
+            tick = bars.task(f"latency ({turns} turns each)", 2 * turns)
+            (engine_handle, engine), (floor_handle, floor) = await bench.engine("latency"), await bench.floor("latency")
+            await floor(_plain_text(0))
+            await engine(_plain_text(0))
+            marks = {"engine": await _history_mark(client, engine_handle), "floor": await _history_mark(client, floor_handle)}
+            db_before = db.snapshot()
+            engine_lat: list[float] = []
+            floor_lat: list[float] = []
+            for i in range(1, turns + 1):
+                floor_lat.append(await _timed(floor, _plain_text(i)))
+                engine_lat.append(await _timed(engine, _plain_text(i)))
+                tick(2)
+            out["turns"] = turns
+            out["engine_p50_ms"] = _ms(percentile(engine_lat, 50))
+            out["engine_p95_ms"] = _ms(percentile(engine_lat, 95))
+            out["floor_p50_ms"] = _ms(percentile(floor_lat, 50))
+            out["floor_p95_ms"] = _ms(percentile(floor_lat, 95))
+            db_after = db.snapshot()
+            # Where a timed turn's time goes, from the server's histories (the opening turn excluded) ...
+            for side, handle in (("engine", engine_handle), ("floor", floor_handle)):
+                for key, value in (await _turn_breakdown(client, handle, marks[side], turns)).items():
+                    out[f"{side}_{key}"] = value
+            # ... and the engine's PostgreSQL round trips per turn, by activity.
+            for name in sorted(db_after[0]):
+                calls = db_after[0][name] - db_before[0].get(name, 0)
+                seconds = db_after[1][name] - db_before[1].get(name, 0.0)
+                if calls and name != "other":
+                    key = name.replace(".", "_")
+                    out[f"engine_db_round_trips_per_turn_{key}"] = round(calls / turns, 2)
+                    out[f"engine_db_ms_per_turn_{key}"] = _ms(seconds / turns)
+            ratios["overhead_ratio"] = _ratio(out["engine_p50_ms"], out["floor_p50_ms"])
+            ratios["p95_overhead_ratio"] = _ratio(out["engine_p95_ms"], out["floor_p95_ms"])
+
+            # Throughput: N concurrent sessions, floor then engine at each N.
+            out["turns_per_session"] = turns_per_session
+            for n in sessions:
+                tick = bars.task(f"throughput, {n} sessions", 2 * n * turns_per_session)
+                floor_tps = await _throughput(bench.floor, f"tp{n}", n, turns_per_session, tick)
+                engine_tps = await _throughput(bench.engine, f"tp{n}", n, turns_per_session, tick)
+                out[f"turns_per_s_{n}_sessions"] = round(engine_tps, 2)
+                out[f"floor_turns_per_s_{n}_sessions"] = round(floor_tps, 2)
+                ratios[f"throughput_ratio_{n}_sessions"] = _ratio(engine_tps, floor_tps)
+                await bench.terminate_all()
+
+            # Long session: growth, history per run, worker memory.
+            tick = bars.task(f"long session ({long_turns} turns)", long_turns)
+            long_handle, engine = await bench.engine("long")
+            await engine(_plain_text(0))
+            rss_start = _rss_mb()
+            long_lat: list[float] = []
+            for i in range(1, long_turns + 1):
+                long_lat.append(await _timed(engine, _plain_text(i)))
+                tick(1)
+                if i == long_turns // 2:
+                    rss_mid = _rss_mb()
+            rss_end = _rss_mb()
+            tenth = max(1, long_turns // 10)
+            first, last = percentile(long_lat[:tenth], 50), percentile(long_lat[-tenth:], 50)
+            runs = await _history_chain(client, long_handle.id, _first_run(long_handle))
+            out["long_turns"] = long_turns
+            out["long_first_10pct_p50_ms"] = _ms(first)
+            out["long_last_10pct_p50_ms"] = _ms(last)
+            out["long_p95_ms"] = _ms(percentile(long_lat, 95))
+            out["long_session_runs"] = len(runs)
+            out["max_history_events_per_run"] = max(r.events for r in runs)
+            out["max_history_bytes_per_run"] = max(r.bytes for r in runs)
+            out["max_history_event_bytes"] = max(r.largest_event_bytes for r in runs)
+            out["worker_rss_start_mb"] = round(rss_start, 1)
+            out["worker_rss_end_mb"] = round(rss_end, 1)
+            out["worker_rss_growth_mb"] = round(rss_end - rss_start, 1)
+            out["worker_rss_growth_second_half_mb"] = round(rss_end - rss_mid, 1)
+            ratios["long_session_growth_ratio"] = _ratio(last, first)
+        finally:
+            await bench.terminate_all()
+
+    # The throughput target applies at the largest concurrency measured (100 sessions by default).
+    ratios["throughput_ratio"] = ratios[f"throughput_ratio_{max(sessions)}_sessions"]
+    out.update(ratios)
+    out["meets_overhead_target"] = out["overhead_ratio"] <= OVERHEAD_TARGET
+    out["meets_throughput_target"] = out["throughput_ratio"] >= THROUGHPUT_TARGET
+    out["meets_growth_target"] = out["long_session_growth_ratio"] <= GROWTH_TARGET
+    out["meets_history_target"] = out["max_history_events_per_run"] <= HISTORY_EVENTS_LIMIT
+    return out
+
+
+def _first_run(handle: WorkflowHandle[Any, Any]) -> str:
+    run_id = handle.first_execution_run_id or handle.result_run_id or handle.run_id
+    assert run_id is not None
+    return run_id
+
+
+__all__ = ["percentile", "run"]

@@ -1,0 +1,39 @@
+"""What the CLI commands need up: Temporal and PostgreSQL (external by env, else embedded), the store."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+from activities.store import Store
+from ctxengine.embedded import ENV_TEMPORAL_ADDRESS, EmbeddedTemporal, ctxengine_home, embedded_postgres
+
+
+@dataclass
+class Services:
+    temporal_address: str
+    ui_url: str | None
+    store: Store
+
+
+@asynccontextmanager
+async def services(*, temporal: bool = True) -> AsyncIterator[Services]:
+    """Temporal (TEMPORAL_ADDRESS or an embedded dev server) and a migrated store; stopped on exit."""
+    home = ctxengine_home()
+    async with AsyncExitStack() as stack:
+        address, ui = "", None
+        if temporal:
+            external = os.environ.get(ENV_TEMPORAL_ADDRESS)
+            if external:
+                address = external
+            else:
+                server = EmbeddedTemporal(home)
+                await server.start()
+                stack.push_async_callback(server.stop)
+                address, ui = server.address, server.ui_url
+        dsn = await stack.enter_async_context(embedded_postgres(home))
+        store = await stack.enter_async_context(Store.from_dsn(dsn))
+        await store.migrate()
+        yield Services(temporal_address=address, ui_url=ui, store=store)

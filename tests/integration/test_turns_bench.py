@@ -1,0 +1,107 @@
+"""`ctxengine bench turns` reduced: the engine and the floor measured side by side on the fixtures' servers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+import pytest_asyncio
+from temporalio.client import Client
+
+from bench import turns_bench as tb
+from ctxengine.embedded import dsn_with_database
+
+pytestmark = pytest.mark.integration
+
+# The keys the issue asks for (with the default concurrency of 20 and 100 sessions).
+REQUIRED = (
+    "engine_p50_ms",
+    "floor_p50_ms",
+    "overhead_ratio",
+    "turns_per_s_100_sessions",
+    "floor_turns_per_s_100_sessions",
+    "long_session_growth_ratio",
+    "max_history_events_per_run",
+    "worker_rss_growth_mb",
+)
+VERDICTS = ("meets_overhead_target", "meets_throughput_target", "meets_growth_target", "meets_history_target")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def bench_dsn(pg_server: str) -> AsyncIterator[str]:
+    """A fresh database for the module (pg_dsn is per test; the bench runs once for the module)."""
+    name = f"test_bench_{uuid.uuid4().hex}"
+    conn = await asyncpg.connect(pg_server)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    yield dsn_with_database(pg_server, name)
+    with contextlib.suppress(OSError, asyncpg.PostgresError):
+        conn = await asyncpg.connect(pg_server, timeout=5)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def result(temporal_address: str, temporal_client: Client, bench_dsn: str) -> dict[str, Any]:
+    """One reduced run on the fixtures' servers: 5 latency turns, 4 sessions x 2 turns, a 30-turn session."""
+    return await tb.run(
+        turns=5,
+        long_turns=30,
+        sessions=(4,),
+        turns_per_session=2,
+        warmup_turns=1,
+        address=temporal_address,
+        dsn=bench_dsn,
+        namespace=temporal_client.namespace,
+    )
+
+
+def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
+    """Every figure is there and measured: latencies, throughput and ratios positive; one JSON object."""
+    per_n = {  # this reduced run measures 4 concurrent sessions instead of 20 and 100
+        "turns_per_s_100_sessions": "turns_per_s_4_sessions",
+        "floor_turns_per_s_100_sessions": "floor_turns_per_s_4_sessions",
+    }
+    for key in REQUIRED:
+        assert per_n.get(key, key) in result, key
+    for key in ("engine_p50_ms", "engine_p95_ms", "floor_p50_ms", "floor_p95_ms", "long_first_10pct_p50_ms"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    for key in ("turns_per_s_4_sessions", "floor_turns_per_s_4_sessions"):
+        assert result[key] > 0, key
+    for key in ("overhead_ratio", "throughput_ratio", "throughput_ratio_4_sessions", "long_session_growth_ratio"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    for key in VERDICTS:
+        assert isinstance(result[key], bool), key
+    assert result["turns"] == 5 and result["long_turns"] == 30
+    assert isinstance(result["worker_rss_growth_mb"], float)
+    assert json.loads(json.dumps(result)) == result
+    # Ratios and verdicts come last.
+    keys = list(result)
+    assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
+    assert keys[-len(VERDICTS) :] == list(VERDICTS)
+
+
+def test_engine_turns_are_real_and_history_stays_small(result: dict[str, Any]) -> None:
+    """An engine turn is two activities (build, model call); the floor's is its two no-ops; no prompt in history."""
+    assert result["engine_activities_per_turn"] == 2.0
+    assert result["floor_activities_per_turn"] == 2.0
+    assert 0 < result["max_history_events_per_run"] <= tb.HISTORY_EVENTS_LIMIT
+    assert result["long_session_runs"] >= 1
+    assert result["max_history_event_bytes"] < 64 * 1024  # plan summaries, never the rendered request
+
+
+def test_percentile_interpolates() -> None:
+    assert tb.percentile([1.0], 50) == 1.0
+    assert tb.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert tb.percentile([10.0, 0.0], 100) == 10.0
+    with pytest.raises(ValueError):
+        tb.percentile([], 50)
