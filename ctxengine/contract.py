@@ -76,6 +76,9 @@ class SessionOpen(_Input):
     memory_scope: str = "default"
     timeouts: ActivityTimeouts = Field(default_factory=ActivityTimeouts)
     continue_as_new_after_turns: int | None = Field(default=None, ge=1)  # tests and demos; None: when suggested
+    # Set by the workflow when it continues as new; callers leave it out. (One input argument, because
+    # Temporal decodes typed arguments only when the payload count matches the signature.)
+    carried: SessionState | None = None
 
     def context_budget(self) -> ContextBudget:
         base = ContextBudget(context_window=self.model_route.profile().context_window)
@@ -277,3 +280,6 @@ class CloseInput(BaseModel):
     reason: str
     turn: int
     epoch: int
+
+
+SessionOpen.model_rebuild()

@@ -63,8 +63,9 @@ class SessionFailed(ApplicationError):
 @workflow.defn(name=names.WORKFLOW_SESSION)
 class SessionWorkflow:
     @workflow.init
-    def __init__(self, open_: SessionOpen, carried: SessionState | None = None) -> None:
-        self.open: SessionOpen = open_
+    def __init__(self, open_: SessionOpen) -> None:
+        carried = open_.carried
+        self.open: SessionOpen = open_.model_copy(update={"carried": None})
         self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.model_route)
         self.results: dict[str, TurnResult] = {}
         self.lock = asyncio.Lock()
@@ -74,9 +75,9 @@ class SessionWorkflow:
 
     # ------------------------------------------------------------ run
     @workflow.run
-    async def run(self, open_: SessionOpen, carried: SessionState | None = None) -> SessionState:
-        """Start input: a SessionOpen. `carried` is the state a continue-as-new hands to the next run."""
-        if carried is None:
+    async def run(self, open_: SessionOpen) -> SessionState:
+        """Start input: a SessionOpen (its `carried` is the state a continue-as-new hands to the next run)."""
+        if open_.carried is None:
             try:
                 opened = await self._open(epoch=1, reason="session_open")
             except ActivityError as exc:
@@ -98,7 +99,7 @@ class SessionWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self.state.status == "closed":
             return self.state
-        workflow.continue_as_new(args=[self.open, self.state])
+        workflow.continue_as_new(self.open.model_copy(update={"carried": self.state}))
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():

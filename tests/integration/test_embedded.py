@@ -180,8 +180,9 @@ class TestTemporal:
         stops the first."""
         home = tmp_path / "home"
         async with EmbeddedTemporal(home, ui=True) as first:
-            assert first.ui_url is not None
-            ui_status = await asyncio.to_thread(lambda: urllib.request.urlopen(first.ui_url, timeout=5).status)
+            ui_url = first.ui_url
+            assert ui_url is not None
+            ui_status = await asyncio.to_thread(lambda: urllib.request.urlopen(ui_url, timeout=5).status)
             assert ui_status == 200
             assert first.port is not None and first.ui_port is not None
             second = EmbeddedTemporal(home, ui=True, port=first.port, ui_port=first.ui_port)
