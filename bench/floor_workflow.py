@@ -92,11 +92,12 @@ class FloorWorkflow:
         async with self.lock:
             self.turns += 1
             step = FloorStep(turn=self.turns, text=inp.text)
+            # By name with a result type, as the engine calls its activities.
             built: FloorStep = await workflow.execute_activity(
-                noop_build, step, start_to_close_timeout=TIMEOUT, retry_policy=RETRY, result_type=FloorStep
+                ACTIVITY_NOOP_BUILD, step, start_to_close_timeout=TIMEOUT, retry_policy=RETRY, result_type=FloorStep
             )
             replied: FloorStep = await workflow.execute_activity(
-                noop_model, built, start_to_close_timeout=TIMEOUT, retry_policy=RETRY, result_type=FloorStep
+                ACTIVITY_NOOP_MODEL, built, start_to_close_timeout=TIMEOUT, retry_policy=RETRY, result_type=FloorStep
             )
             return FloorTurnResult(turn=replied.turn, text=replied.text)
 

@@ -10,10 +10,13 @@ across builds of one session. It never changes a result, only how fast it comes.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
+import operator
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,7 +46,7 @@ from core.items import (
 from core.order import assembly_order
 from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
 from core.rendering import FRAMING_TEXT, derive_nonce, render_envelope
-from core.validation import validate_pairs
+from core.validation import PairState, validate_pairs
 
 FRAMING_ID = "platform.framing"
 POLICY_ID = "platform.policy"
@@ -116,6 +119,43 @@ def render_item(item: Item, secret: bytes) -> str:
     )
 
 
+class HistoryScan:
+    """One pass over older history, before any yield. Immutable once built; `extend` returns a new scan."""
+
+    def __init__(self) -> None:
+        self.items: list[HistoryItem] = []
+        self.segs: list[Segment] = []
+        self.raws: list[int] = []
+        self.truncatable: list[int] = []
+        self.raw_total = 0
+        self.results_raw = 0
+        self.pairs = PairState()
+
+    def extend(self, older: list[HistoryItem], cache: RenderCache, estimator: TokenEstimator) -> HistoryScan:
+        scan = HistoryScan()
+        start = len(self.items)
+        scan.items = older
+        scan.segs = list(self.segs)
+        scan.raws = list(self.raws)
+        scan.truncatable = list(self.truncatable)
+        scan.raw_total = self.raw_total
+        scan.results_raw = self.results_raw
+        new_segs: list[Segment] = []
+        for index in range(start, len(older)):
+            h = older[index]
+            seg = cache.lookup(h) or cache.segment(h, estimator)
+            raw = seg.raw_tokens
+            new_segs.append(seg)
+            scan.raws.append(raw)
+            scan.raw_total += raw
+            if type(h) is ToolResult:
+                scan.results_raw += raw
+                scan.truncatable.append(index)
+        scan.segs += new_segs
+        scan.pairs = self.pairs.copy().feed(new_segs)
+        return scan
+
+
 class RenderCache:
     """Memo of rendered segments for one session secret, keyed by item id and checked against the item."""
 
@@ -123,9 +163,73 @@ class RenderCache:
         self.secret = secret
         self.counter_name = counter_name
         self._entries: dict[str, tuple[Item, Segment]] = {}
+        self._pointers: dict[str, tuple[ToolResult, Segment]] = {}
+        self._chain_prefix = ""
+        self._chain: list[Segment] = []
+        self._checkpoints: list[Any] = []
+        self._scan: HistoryScan | None = None
+        self._ordered: tuple[list[HistoryItem], list[int]] = ([], [])
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def lookup(self, item: Item) -> Segment | None:
+        """The cached segment of exactly this item object (the warm path's cheap check)."""
+        entry = self._entries.get(item.id)
+        return entry[1] if entry is not None and entry[0] is item else None
+
+    def pointer_segment(self, result: ToolResult, raw_tokens: int, estimator: TokenEstimator) -> Segment:
+        """The segment of the typed pointer that stands for `result`, built once per result."""
+        memo = self._pointers.get(result.id)
+        if memo is not None and memo[0] is result:
+            return memo[1]
+        seg = self.segment(_pointer_for(result, raw_tokens), estimator)
+        self._pointers[result.id] = (result, seg)
+        return seg
+
+    def request_hash(self, prefix: FrozenPrefix, body: list[Segment]) -> str:
+        """SHA-256 of prefix + body bytes, resumed from the last checkpoint before the first changed segment."""
+        if self._chain_prefix != prefix.sha256:
+            self._chain_prefix = prefix.sha256
+            self._chain = []
+            start = hashlib.sha256(prefix.text.encode("utf-8", "surrogatepass"))
+            self._checkpoints = [start]
+        matches = list(map(operator.is_, body, self._chain))
+        same = matches.index(False) if False in matches else len(matches)
+        k = same // _HASH_CHECKPOINT_EVERY
+        del self._checkpoints[k + 1 :]
+        digest = self._checkpoints[k].copy()
+        for index in range(k * _HASH_CHECKPOINT_EVERY, len(body)):
+            digest.update(body[index].text.encode("utf-8", "surrogatepass"))
+            if (index + 1) % _HASH_CHECKPOINT_EVERY == 0:
+                self._checkpoints.append(digest.copy())
+        self._chain = body
+        return str(digest.hexdigest())
+
+    def ordered_history(self, history: list[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:
+        """`history` sorted by log position, and the positions; reuses the last call's work for its prefix."""
+        prev, prev_seqs = self._ordered
+        n = len(prev)
+        if n and n <= len(history) and all(map(operator.is_, history[:n], prev)):
+            seqs = prev_seqs + [h.seq for h in history[n:]]
+        else:
+            seqs = [h.seq for h in history]
+        if any(map(operator.gt, seqs, seqs[1:])):
+            history = sorted(history, key=_seq)
+            seqs = [h.seq for h in history]
+        self._ordered = (history, seqs)
+        return history, seqs
+
+    def scan_history(self, older: list[HistoryItem], estimator: TokenEstimator) -> HistoryScan:
+        """Segments, counts and pairing of `older`, extending the previous scan when it is a prefix."""
+        prev = self._scan
+        n = len(prev.items) if prev is not None else 0
+        if prev is not None and n <= len(older) and all(map(operator.is_, older[:n], prev.items)):
+            scan = prev.extend(older, self, estimator)
+        else:
+            scan = HistoryScan().extend(older, self, estimator)
+        self._scan = scan
+        return scan
 
     def segment(self, item: Item, estimator: TokenEstimator) -> Segment:
         entry = self._entries.get(item.id)
@@ -195,6 +299,7 @@ def open_prefix(
 
 
 _seq = attrgetter("seq")
+_HASH_CHECKPOINT_EVERY = 64
 
 
 def build(
@@ -206,7 +311,11 @@ def build(
     secret: bytes,
     cache: RenderCache | None = None,
 ) -> ContextPlan:
-    """Assemble one request. Pure: the plan depends only on the arguments, never on the cache's contents."""
+    """Assemble one request. Pure: the plan depends only on the arguments, never on the cache's contents.
+
+    The warm path is one pass over the history: rendering, counting and pointers come from the cache,
+    running totals replace re-summing, and the request hash resumes from the last unchanged segment.
+    """
     if cache is None or cache.secret != secret:
         cache = RenderCache(secret)
     unit = estimator.body_unit()
@@ -217,9 +326,9 @@ def build(
     def est(seg: Segment) -> float:
         return (seg.raw_tokens + per_msg) * unit
 
-    history = sorted(apply_checkpoint(body.history, body.checkpoint), key=_seq)
-    active = [h for h in history if h.seq >= body.turn_start_seq]
-    older = [h for h in history if h.seq < body.turn_start_seq]
+    history, seqs = cache.ordered_history(apply_checkpoint(body.history, body.checkpoint))
+    split = bisect.bisect_left(seqs, body.turn_start_seq)
+    older, active = history[:split], history[split:]
 
     # Never yield: current message, working state, correction lines, turn context, the active turn's items.
     fixed_items: list[Item] = [*active, *body.corrections]
@@ -259,37 +368,44 @@ def build(
     if capped:
         yields.append(
             YieldApplied(
-                step=YieldStep.RECALL_DROPPED,
-                reason="cap",
-                item_ids=capped,
-                tokens_freed=math.ceil(capped_tokens),
+                step=YieldStep.RECALL_DROPPED, reason="cap", item_ids=capped, tokens_freed=math.ceil(capped_tokens)
             )
         )
 
-    # Older history; tool results within their share of the body, oldest truncated to pointers first.
-    older_segs = [(h, cache.segment(h, estimator)) for h in older]
-    older_est = [est(s) for _, s in older_segs]
-    results_total = sum(e for (h, _), e in zip(older_segs, older_est, strict=True) if isinstance(h, ToolResult))
-    results_total += sum(est(s) for h, s in fixed if isinstance(h, ToolResult))
+    # Older history: segments, counts, running totals and which results may become pointers. The pass is
+    # memoised: when the previous build's older history is a prefix of this one, only new items are visited.
+    scan = cache.scan_history(older, estimator)
+    older_segs = list(scan.segs)
+    older_raw = list(scan.raws)
+    truncatable = scan.truncatable
+    older_raw_total = scan.raw_total
+    results_raw = scan.results_raw
+    older_n = len(older_segs)
+    active_results = sum(est(s) for h, s in fixed if isinstance(h, ToolResult))
     results_cap = budget.tool_results_cap(available)
-    truncatable = [i for i, (h, _) in enumerate(older_segs) if isinstance(h, ToolResult)]
     cursor = 0
 
+    def older_total() -> float:
+        return (older_raw_total + older_n * per_msg) * unit
+
+    def results_total() -> float:
+        return (results_raw + len(truncatable) * per_msg) * unit + active_results
+
     def truncate_until(limit_ok: Callable[[], bool], reason: str) -> None:
-        nonlocal cursor, results_total
+        nonlocal cursor, results_raw, older_raw_total
         freed_ids: list[str] = []
-        freed = 0.0
+        freed = 0
         while cursor < len(truncatable) and not limit_ok():
             index = truncatable[cursor]
             cursor += 1
-            original, seg = older_segs[index]
+            original = older[index]
             assert isinstance(original, ToolResult)
-            pointer = _pointer_for(original, seg.raw_tokens)
-            pseg = cache.segment(pointer, estimator)
-            delta = older_est[index] - est(pseg)
-            older_segs[index] = (pointer, pseg)
-            older_est[index] = est(pseg)
-            results_total -= delta
+            pseg = cache.pointer_segment(original, older_raw[index], estimator)
+            delta = older_raw[index] - pseg.raw_tokens
+            older_segs[index] = pseg
+            older_raw[index] = pseg.raw_tokens
+            older_raw_total -= delta
+            results_raw -= delta
             freed += delta
             freed_ids.append(original.id)
         if freed_ids:
@@ -298,30 +414,30 @@ def build(
                     step=YieldStep.TOOL_RESULTS_TO_POINTERS,
                     reason=reason,
                     item_ids=freed_ids,
-                    tokens_freed=math.ceil(freed),
+                    tokens_freed=math.ceil(freed * unit),
                 )
             )
 
-    truncate_until(lambda: results_total <= results_cap, "cap")
+    truncate_until(lambda: results_total() <= results_cap, "cap")
 
     def total() -> float:
-        return fixed_total + recall_total + sum(older_est)
+        return fixed_total + recall_total + older_total()
 
     if total() > available and recall:
         # Yield 1: in-turn recall, lowest rank first.
         dropped: list[str] = []
-        freed = 0.0
+        freed_recall = 0.0
         while recall and total() > available:
-            r, _, e = recall.pop()
+            gone, _, e = recall.pop()
             recall_total -= e
-            dropped.append(r.id)
-            freed += e
+            dropped.append(gone.id)
+            freed_recall += e
         yields.append(
             YieldApplied(
                 step=YieldStep.RECALL_DROPPED,
                 reason="pressure",
                 item_ids=dropped,
-                tokens_freed=math.ceil(freed),
+                tokens_freed=math.ceil(freed_recall),
             )
         )
     if total() > available:
@@ -334,33 +450,40 @@ def build(
 
     # Built in assembly order (core.order.SECTIONS): history, corrections, recall, working state, turn
     # context, current message. Tests assert it against order_key; sorting here would cost a pass per build.
-    body_segments = [s for _, s in older_segs]
-    body_segments += [cache.segment(h, estimator) for h in active]
-    body_segments += [cache.segment(c, estimator) for c in sorted(body.corrections, key=attrgetter("id"))]
-    body_segments += [s for _, s, _ in recall]
-    body_segments += [s for item, s in fixed if isinstance(item, WorkingStateBlock | TurnContext | CurrentUserMessage)]
-    validate_pairs(body_segments)
+    tail = [cache.segment(h, estimator) for h in active]
+    tail += [cache.segment(c, estimator) for c in sorted(body.corrections, key=attrgetter("id"))]
+    tail += [s for _, s, _ in recall]
+    tail += [s for item, s in fixed if isinstance(item, WorkingStateBlock | TurnContext | CurrentUserMessage)]
+    body_segments = older_segs + tail
+    # Pointers keep their result's call_id, so the pairing of the older history is the scan's.
+    validate_pairs(tail, scan.pairs)
 
-    segments = prefix.segments + body_segments
-    body_text = "".join(s.text for s in body_segments)
-    request_sha = hashlib.sha256()
-    request_sha.update(prefix.text.encode("utf-8", "surrogatepass"))
-    request_sha.update(body_text.encode("utf-8", "surrogatepass"))
     tokens_by_class = dict(prefix.class_tokens)
-    class_est: dict[str, float] = {}
-    for s in body_segments:
-        class_est[s.budget_class.value] = class_est.get(s.budget_class.value, 0.0) + est(s)
-    for name, value in class_est.items():
-        tokens_by_class[name] = math.ceil(value)
+    class_raw: dict[BudgetClass, list[int]] = {}
+    for seg in tail:
+        acc = class_raw.setdefault(seg.budget_class, [0, 0])
+        acc[0] += seg.raw_tokens
+        acc[1] += 1
+    history_raw = older_raw_total - results_raw
+    history_n = older_n - len(truncatable)
+    for cls, raw, n in (
+        (BudgetClass.HISTORY, history_raw, history_n),
+        (BudgetClass.TOOL_RESULTS, results_raw, len(truncatable)),
+    ):
+        if n:
+            acc = class_raw.setdefault(cls, [0, 0])
+            acc[0] += raw
+            acc[1] += n
+    for cls, (raw, n) in class_raw.items():
+        tokens_by_class[cls.value] = math.ceil((raw + n * per_msg) * unit)
     body_tokens = math.ceil(estimated_body)
-    raw_total = prefix.raw_tokens + sum(s.raw_tokens for s in body_segments)
+    raw_total = prefix.raw_tokens + older_raw_total + sum(s.raw_tokens for s in tail)
     return ContextPlan.model_construct(
         epoch=prefix.epoch,
         prefix_sha256=prefix.sha256,
-        request_sha256=request_sha.hexdigest(),
-        segments=segments,
+        request_sha256=cache.request_hash(prefix, body_segments),
+        segments=prefix.segments + body_segments,
         prefix_text=prefix.text,
-        body_text=body_text,
         status=status,
         deficit_tokens=deficit,
         estimated_tokens=prefix_tokens + body_tokens,

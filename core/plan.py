@@ -73,7 +73,6 @@ class ContextPlan(BaseModel):
     request_sha256: str
     segments: list[Segment]
     prefix_text: str
-    body_text: str
     status: PlanStatus
     deficit_tokens: int
     estimated_tokens: int
@@ -83,6 +82,11 @@ class ContextPlan(BaseModel):
     body_tokens: int
     tokens_by_class: dict[str, int]
     yields: list[YieldApplied]
+
+    @property
+    def body_text(self) -> str:
+        """Joined on demand: the activity stores segments, so a build need not join the body."""
+        return "".join(s.text for s in self.segments if s.region is Region.B)
 
     @property
     def text(self) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from core.errors import OrphanedToolItemError
 from core.plan import Segment
@@ -11,28 +11,50 @@ _CALL = "tool_call"
 _RESULT_KINDS = frozenset({"tool_result", "elided_span"})
 
 
+class PairState:
+    """Pairing of calls and results over a prefix of segments, so a longer list can be checked from there."""
+
+    def __init__(self) -> None:
+        self.open_calls: dict[str, str] = {}
+        self.answered: set[str] = set()
+        self.orphans: list[str] = []
+
+    def copy(self) -> PairState:
+        other = PairState()
+        other.open_calls = dict(self.open_calls)
+        other.answered = set(self.answered)
+        other.orphans = list(self.orphans)
+        return other
+
+    def feed(self, segments: Iterable[Segment]) -> PairState:
+        for seg in segments:
+            call_id = seg.call_id
+            if call_id is None:
+                continue
+            if seg.kind == _CALL:
+                if call_id in self.open_calls or call_id in self.answered:
+                    self.orphans.append(seg.item_id)  # a second call reusing an id is as malformed as an orphan
+                else:
+                    self.open_calls[call_id] = seg.item_id
+            elif seg.kind in _RESULT_KINDS:
+                if call_id in self.open_calls:
+                    del self.open_calls[call_id]
+                    self.answered.add(call_id)
+                else:
+                    self.orphans.append(seg.item_id)
+        return self
+
+    def result(self) -> list[str]:
+        return [*self.orphans, *self.open_calls.values()]
+
+
 def find_orphans(segments: Sequence[Segment]) -> list[str]:
     """Item ids of calls without exactly one later result, and of results without an earlier call."""
-    open_calls: dict[str, str] = {}
-    answered: set[str] = set()
-    orphans: list[str] = []
-    for seg in segments:
-        if seg.kind == _CALL and seg.call_id is not None:
-            if seg.call_id in open_calls or seg.call_id in answered:
-                orphans.append(seg.item_id)  # a second call reusing an id is as malformed as an orphan
-            else:
-                open_calls[seg.call_id] = seg.item_id
-        elif seg.kind in _RESULT_KINDS and seg.call_id is not None:
-            if seg.call_id in open_calls:
-                del open_calls[seg.call_id]
-                answered.add(seg.call_id)
-            else:
-                orphans.append(seg.item_id)
-    orphans.extend(open_calls.values())
-    return orphans
+    return PairState().feed(segments).result()
 
 
-def validate_pairs(segments: Sequence[Segment]) -> None:
-    orphans = find_orphans(segments)
+def validate_pairs(segments: Sequence[Segment], state: PairState | None = None) -> None:
+    """Raise unless every call has its result. `state` (already fed with earlier segments) is not modified."""
+    orphans = (state.copy() if state is not None else PairState()).feed(segments).result()
     if orphans:
         raise OrphanedToolItemError(orphans)

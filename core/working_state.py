@@ -181,7 +181,7 @@ def apply(
         next_id += 1
         return ident
 
-    def index_of(rows: Sequence[BaseModel], ident: str, field: str) -> int:
+    def index_of(rows: Sequence[Constraint | Task | Fact | OpenQuestion], ident: str, field: str) -> int:
         for i, row in enumerate(rows):
             if row.id == ident:
                 return i

@@ -186,8 +186,14 @@ async def test_worker_sigkill_mid_turn(
             after = await turn(handle, "hello after the crash", update_id="turn-3")
         except Exception:
             for e in await _events(handle):
-                print("EV", e.event_id, EventType.Name(e.event_type), str(e)[:1500] if "FAILED" in EventType.Name(e.event_type) else "")
-            print(first.log_tail()); print((tmp_path / "second.log").read_text()[-6000:])
+                print(
+                    "EV",
+                    e.event_id,
+                    EventType.Name(e.event_type),
+                    str(e)[:1500] if "FAILED" in EventType.Name(e.event_type) else "",
+                )
+            print(first.log_tail())
+            print((tmp_path / "second.log").read_text()[-6000:])
             raise
 
         # The killed attempt was retried: the attempt that completed is not the first.

@@ -138,3 +138,43 @@ class TestPlan:
         hist = [UserMessage(id=f"u{i}", seq=i, text=f"m{i}") for i in (3, 1, 2)]
         plan = _build(BodyInputs(history=hist, turn_start_seq=10))
         assert [s.item_id for s in plan.segments if s.kind == "user_message"] == ["u1", "u2", "u3"]
+
+
+class TestWarmCache:
+    @given(
+        steps=st.lists(
+            st.tuples(st.sampled_from(["append", "replace", "drop_last", "shuffle", "window"]), st.integers(0, 50)),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    @settings(max_examples=40, deadline=None)
+    def test_any_sequence_of_builds_matches_cold_builds(self, steps: list[tuple[str, int]]) -> None:
+        """Whatever changes between builds, a build through a warm cache equals a cold build of the same inputs."""
+        import random
+
+        hist = f.history(12)
+        cache = RenderCache(f.SECRET)
+        window = 100_000
+        for op, n in steps:
+            if op == "append":
+                seq = hist[-1].seq + 1 if hist else 0
+                hist = [*hist, UserMessage(id=f"x{seq}", seq=seq, text=f"more {n}")]
+            elif op == "replace" and hist:
+                i = n % len(hist)
+                if isinstance(hist[i], UserMessage):
+                    hist = [*hist[:i], hist[i].model_copy(update={"text": f"changed {n}"}), *hist[i + 1 :]]
+            elif op == "drop_last" and hist and hist[-1].kind == "user_message":
+                hist = hist[:-1]
+            elif op == "shuffle":
+                hist = list(hist)
+                random.Random(n).shuffle(hist)
+            elif op == "window":
+                window = 3_000 + n * 100
+            seq = max((h.seq for h in hist), default=-1) + 1
+            body = BodyInputs(history=hist, turn_start_seq=seq, current=CurrentUserMessage(id="c", seq=seq, text="q"))
+            budget = ContextBudget(context_window=window, output_reserve=500)
+            warm = build(PREFIX, body, budget=budget, estimator=f.estimator(), secret=f.SECRET, cache=cache)
+            cold = build(PREFIX, body, budget=budget, estimator=f.estimator(), secret=f.SECRET)
+            assert warm.model_dump() == cold.model_dump()
+            assert warm.request_sha256 == hashlib.sha256(warm.text.encode()).hexdigest()
