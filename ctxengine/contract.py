@@ -79,6 +79,7 @@ class SessionOpen(_Input):
     # Set by the workflow when it continues as new; callers leave it out. (One input argument, because
     # Temporal decodes typed arguments only when the payload count matches the signature.)
     carried: SessionState | None = None
+    carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
 
     def context_budget(self) -> ContextBudget:
         base = ContextBudget(context_window=self.model_route.profile().context_window)
@@ -169,7 +170,6 @@ class SessionState(BaseModel):
     last_plan: PlanSummary | None = None
     metrics: SessionMetrics = Field(default_factory=SessionMetrics)
     model_route: ModelRoute = Field(default_factory=ModelRoute)
-    recent_updates: dict[str, int] = Field(default_factory=dict)  # update id -> turn, bounded
     search_attributes: bool = False
 
 

@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from ctxengine.events import EventType
 
 MAX_MODEL_CALLS_PER_TURN = 8
-RECENT_UPDATES = 64  # update ids remembered across continue-as-new (Temporal de-duplicates per run only)
+RECENT_UPDATES = 32  # turn results remembered, by update id, across continue-as-new
 RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200),
     backoff_coefficient=2.0,
@@ -65,9 +65,10 @@ class SessionWorkflow:
     @workflow.init
     def __init__(self, open_: SessionOpen) -> None:
         carried = open_.carried
-        self.open: SessionOpen = open_.model_copy(update={"carried": None})
+        self.open: SessionOpen = open_.model_copy(update={"carried": None, "carried_results": {}})
         self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.model_route)
-        self.results: dict[str, TurnResult] = {}
+        # Temporal de-duplicates update ids within a run only; recent results cross continue-as-new with us.
+        self.results: dict[str, TurnResult] = dict(open_.carried_results)
         self.lock = asyncio.Lock()
         self.ready = carried is not None
         self.closing = False
@@ -99,7 +100,9 @@ class SessionWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self.state.status == "closed":
             return self.state
-        workflow.continue_as_new(self.open.model_copy(update={"carried": self.state}))
+        workflow.continue_as_new(
+            self.open.model_copy(update={"carried": self.state, "carried_results": self.results})
+        )
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():
@@ -266,11 +269,8 @@ class SessionWorkflow:
 
     def _remember(self, update_id: str, result: TurnResult) -> None:
         self.results[update_id] = result
-        self.state.recent_updates[update_id] = result.turn
-        while len(self.state.recent_updates) > RECENT_UPDATES:
-            oldest = next(iter(self.state.recent_updates))
-            del self.state.recent_updates[oldest]
-            self.results.pop(oldest, None)
+        while len(self.results) > RECENT_UPDATES:
+            del self.results[next(iter(self.results))]
 
     # ------------------------------------------------------------ other updates
     @workflow.update(name=names.UPDATE_REVOKE_TOOL)

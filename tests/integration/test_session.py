@@ -100,3 +100,27 @@ async def test_malformed_updates_are_rejected(temporal_client: Client, pg_dsn: s
         # The closed session's workflow has completed: Temporal itself refuses further updates.
         with pytest.raises(RPCError, match="already completed"):
             await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "again"})
+
+
+async def test_continue_as_new_carries_state(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Across continue-as-new the turn count, prefix hash, revocations and update de-duplication carry over."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(continue_as_new_after_turns=2))
+        first = await turn(handle, "one", update_id="u-1")
+        await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"))
+        results = [first] + [await turn(handle, f"turn {i}") for i in range(2, 6)]
+        assert [r.turn for r in results] == [1, 2, 3, 4, 5]
+        assert len({r.prefix_sha256 for r in results}) == 1
+        again = await turn(handle, "one", update_id="u-1")  # a client retry of an update from an earlier run
+        assert again.turn == 1
+        desc = await handle.describe()
+        assert desc.run_id != first_run_id(handle)
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.turns == 5 and "notes.save" in state.revoked_tools
+        denied = await turn(handle, '/call notes.save {"text": "x"}')
+        assert not denied.tool_calls[0].allowed
+        assert len(await store.records(handle.id)) == 5 + 2
+
+
+def first_run_id(handle) -> str:  # type: ignore[no-untyped-def]
+    return handle.first_execution_run_id or handle.result_run_id or ""
