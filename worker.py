@@ -18,13 +18,16 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
+from activities.compaction import CompactionActivities
 from activities.context import SessionActivities
 from activities.provider import build_providers
 from activities.store import Store
 from ctxengine import names
+from workflows.child_run import ChildRunWorkflow
+from workflows.compaction import CompactionWorkflow
 from workflows.session import SessionWorkflow
 
-WORKFLOWS = [SessionWorkflow]
+WORKFLOWS = [SessionWorkflow, CompactionWorkflow, ChildRunWorkflow]
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -80,7 +83,7 @@ async def running_worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=activities.all(),
+        activities=[*activities.all(), *CompactionActivities(activities).all()],
         max_cached_workflows=max_cached_workflows,
     )
     async with worker:

@@ -316,7 +316,7 @@ class SessionActivities:
                 {"yields": [y.model_dump(mode="json") for y in plan.yields]},
             )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
-        return BuildResult(plan=plan.summary(), user_item_id=user_item_id)
+        return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=inputs["turn_start_seq"])
 
     async def _plan(
         self,
@@ -564,7 +564,7 @@ class SessionActivities:
         out = await executor(inp.call.arguments)
         artifact = None
         if out.trust is TrustLevel.EXTERNAL_UNTRUSTED and len(out.content) > ARTIFACT_THRESHOLD:
-            artifact = "artifact:" + await self.store.put_artifact(out.content, trust=out.trust.value)
+            artifact = "artifact:" + await self.store.put_artifact(inp.session_id, out.content, trust=out.trust.value)
         return out.content, out.trust, out.is_error, artifact
 
     async def _update_working_state(
@@ -577,12 +577,7 @@ class SessionActivities:
         count = self.counter("cl100k_base").count
         writes = await self.store.working_state_writes(inp.session_id)
         state = self._working_state(writes, count, inp.turn + 1)
-        turn_items = [i for i in items if i.id.startswith(f"t{inp.turn}.") or i.id.startswith("u:")]
-        untrusted = any(
-            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED
-            for i in turn_items
-            if i.id.startswith(f"t{inp.turn}.")
-        )
+        untrusted = await self._untrusted_in_view(inp, items)
         try:
             apply(state, update, writer="model", count=count, untrusted_in_context=untrusted)
         except ContextError as exc:
@@ -600,6 +595,26 @@ class SessionActivities:
             inp.session_id, inp.call.item_id, inp.turn, write.model_dump(mode="json")
         )
         return "working state updated", TrustLevel.PLATFORM, False, None
+
+    async def _untrusted_in_view(self, inp: ToolInput, items: list[HistoryItem]) -> bool:
+        """Whether untrusted text was in the request that produced this call, or arrived earlier in the turn.
+
+        A fact written then may derive from it, so it is marked and never reaches memory formation.
+        """
+        call = next((i for i in items if i.id == inp.call.item_id), None)
+        if call is not None and any(
+            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED and i.seq < call.seq
+            and i.id.startswith(f"t{inp.turn}.")
+            for i in items
+        ):
+            return True
+        call_index = int(inp.call.item_id.split(".")[1].removeprefix("m"))
+        record = await self.store.get_record(inp.session_id, inp.turn, call_index)
+        if record is None:
+            return True  # cannot tell: assume the worst
+        request = await self.store.get_request(record["request_sha256"])
+        body = request["body"] if request is not None else []
+        return any(s["trust"] == TrustLevel.EXTERNAL_UNTRUSTED.value and s["kind"] == "tool_result" for s in body)
 
     @activity.defn(name=names.ACTIVITY_WRITE_MEMORY)
     async def write_memory(self, inp: MemoryInput) -> MemoryResult:

@@ -26,11 +26,13 @@ MIGRATIONS: tuple[str, ...] = (
         UNIQUE (session_id, item_id)
     );
     CREATE TABLE IF NOT EXISTS artifacts (
-        sha256 text PRIMARY KEY,
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        sha256 text NOT NULL,
         trust text NOT NULL,
         media_type text NOT NULL,
         content text NOT NULL,
-        created_at timestamptz NOT NULL DEFAULT now()
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, sha256)
     );
     CREATE TABLE IF NOT EXISTS prefixes (
         session_id text NOT NULL REFERENCES sessions (session_id),
@@ -106,6 +108,33 @@ MIGRATIONS: tuple[str, ...] = (
         position bigserial,
         write jsonb NOT NULL,
         PRIMARY KEY (session_id, write_key)
+    );
+    CREATE TABLE IF NOT EXISTS compaction_plans (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        checkpoint_id text NOT NULL,
+        plan jsonb NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, checkpoint_id)
+    );
+    CREATE TABLE IF NOT EXISTS summarizer_calls (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        checkpoint_id text NOT NULL,
+        chunk_index integer NOT NULL,
+        input text NOT NULL,
+        summary text NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, checkpoint_id, chunk_index)
+    );
+    CREATE TABLE IF NOT EXISTS memory_candidates (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        fact_id text NOT NULL,
+        text text NOT NULL,
+        accepted boolean NOT NULL,
+        gate text,
+        reason text NOT NULL,
+        memory_id text,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (session_id, fact_id)
     );
     CREATE TABLE IF NOT EXISTS calibrations (
         route text PRIMARY KEY,

@@ -59,8 +59,25 @@ class ProviderReply(BaseModel):
     usage: ProviderUsage
 
 
+class SummaryRequest(BaseModel):
+    """Trusted text only: the compaction policy never hands untrusted content to a summarizer."""
+
+    session_id: str
+    model: str
+    text: str
+    max_tokens: int = 300
+
+
+SUMMARY_PROMPT = (
+    "Summarize the conversation excerpt below for the assistant's own later use. Keep decisions, user "
+    "requests, constraints and open questions; drop pleasantries. Write plain prose, at most {max_tokens} tokens."
+)
+
+
 class ModelProvider(Protocol):
     async def complete(self, request: ProviderRequest) -> ProviderReply: ...
+
+    async def summarize(self, request: SummaryRequest) -> ProviderReply: ...
 
 
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
@@ -142,6 +159,19 @@ class ScriptedProvider:
                 input_tokens=input_tokens,
                 cached_tokens=cached,
                 output_tokens=self.counter.count(reply) + 8 * len(calls),
+            ),
+        )
+
+    async def summarize(self, request: SummaryRequest) -> ProviderReply:
+        """Extractive and deterministic: the first words of each line, within the token limit."""
+        lines = [" ".join(line.split()[:12]) for line in request.text.splitlines() if line.strip()]
+        summary = f"Summary of {len(lines)} earlier lines: " + " | ".join(lines)
+        while self.counter.count(summary) > request.max_tokens and len(summary) > 40:
+            summary = summary[: int(len(summary) * 0.8)] + "…"
+        return ProviderReply(
+            text=summary,
+            usage=ProviderUsage(
+                input_tokens=self.counter.count(request.text), output_tokens=self.counter.count(summary)
             ),
         )
 

@@ -32,8 +32,30 @@ SQL_INSERT_ITEM = """
 INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)"""
 SQL_LOAD_ITEMS = "SELECT seq, turn, payload FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"
 SQL_PUT_ARTIFACT = """
-INSERT INTO artifacts (sha256, trust, media_type, content) VALUES ($1, $2, $3, $4) ON CONFLICT (sha256) DO NOTHING"""
-SQL_GET_ARTIFACT = "SELECT trust, media_type, content FROM artifacts WHERE sha256 = $1"
+INSERT INTO artifacts (session_id, sha256, trust, media_type, content) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (session_id, sha256) DO NOTHING"""
+SQL_GET_ARTIFACT = "SELECT trust, media_type, content FROM artifacts WHERE session_id = $1 AND sha256 = $2"
+SQL_ARTIFACT_OWNED_ELSEWHERE = "SELECT 1 FROM artifacts WHERE sha256 = $1 AND session_id <> $2 LIMIT 1"
+SQL_ITEM_PAYLOAD = "SELECT payload FROM items WHERE session_id = $1 AND item_id = $2"
+SQL_PUT_COMPACTION_PLAN = """
+INSERT INTO compaction_plans (session_id, checkpoint_id, plan) VALUES ($1, $2, $3)
+ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
+SQL_GET_COMPACTION_PLAN = "SELECT plan FROM compaction_plans WHERE session_id = $1 AND checkpoint_id = $2"
+SQL_PUT_SUMMARY = """
+INSERT INTO summarizer_calls (session_id, checkpoint_id, chunk_index, input, summary) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (session_id, checkpoint_id, chunk_index) DO NOTHING"""
+SQL_GET_SUMMARY = """
+SELECT summary FROM summarizer_calls WHERE session_id = $1 AND checkpoint_id = $2 AND chunk_index = $3"""
+SQL_SUMMARIES = """
+SELECT chunk_index, input, summary FROM summarizer_calls WHERE session_id = $1 AND checkpoint_id = $2
+ORDER BY chunk_index"""
+SQL_ALL_SUMMARIZER_INPUTS = "SELECT checkpoint_id, chunk_index, input FROM summarizer_calls WHERE session_id = $1"
+SQL_CHECKPOINTS = "SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY created_at, checkpoint_id"
+SQL_PUT_CANDIDATE = """
+INSERT INTO memory_candidates (session_id, fact_id, text, accepted, gate, reason, memory_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, fact_id) DO NOTHING"""
+SQL_CANDIDATES = "SELECT * FROM memory_candidates WHERE session_id = $1 ORDER BY fact_id"
+SQL_MEMORY_TEXTS = "SELECT lower(text) AS text FROM memories WHERE scope = $1"
 SQL_PUT_PREFIX = """
 INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (session_id, epoch) DO NOTHING"""
@@ -93,6 +115,15 @@ SQL_LATEST_CHECKPOINT = """
 SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY covers_to_seq DESC, depth DESC LIMIT 1"""
 SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
+
+
+class ForeignReferenceError(PermissionError):
+    """A pointer or artifact reference that belongs to another session."""
+
+    def __init__(self, session_id: str, reference: str) -> None:
+        self.session_id = session_id
+        self.reference = reference
+        super().__init__(f"reference {reference!r} does not belong to session {session_id!r}; refused")
 
 
 def sha256_text(text: str) -> str:
@@ -170,13 +201,84 @@ class Store:
         return await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq)
 
     # ------------------------------------------------------------ content-addressed content
-    async def put_artifact(self, content: str, *, trust: str, media_type: str = "text/plain") -> str:
+    async def put_artifact(self, session_id: str, content: str, *, trust: str, media_type: str = "text/plain") -> str:
         sha = sha256_text(content)
-        await self.pool.execute(SQL_PUT_ARTIFACT, sha, trust, media_type, content)
+        await self.pool.execute(SQL_PUT_ARTIFACT, session_id, sha, trust, media_type, content)
         return sha
 
-    async def get_artifact(self, sha: str) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_ARTIFACT, sha)
+    async def get_artifact(self, session_id: str, sha: str) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_ARTIFACT, session_id, sha)
+
+    async def resolve(self, session_id: str, reference: str) -> tuple[str, str]:
+        """The original content and trust level behind a pointer's reference, inside its own session only.
+
+        Raises ForeignReferenceError for a reference owned by another session (whoever asks) and
+        LookupError for one that does not exist.
+        """
+        kind, _, key = reference.partition(":")
+        if kind == "artifact":
+            row = await self.get_artifact(session_id, key)
+            if row is None:
+                if await self.pool.fetchval(SQL_ARTIFACT_OWNED_ELSEWHERE, key, session_id):
+                    raise ForeignReferenceError(session_id, reference)
+                raise LookupError(f"no artifact {key!r} in session {session_id!r}")
+            return row["content"], row["trust"]
+        if kind == "item":
+            payload = await self.pool.fetchval(SQL_ITEM_PAYLOAD, session_id, key)
+            if payload is None:
+                raise LookupError(f"no item {key!r} in session {session_id!r}")
+            text = payload.get("content", payload.get("text", ""))
+            return str(text), str(payload["trust"])
+        raise LookupError(f"unknown reference form {reference!r} (expected artifact:SHA or item:ID)")
+
+    # ------------------------------------------------------------ compaction
+    async def put_compaction_plan(self, session_id: str, checkpoint_id: str, plan: dict[str, Any]) -> dict[str, Any]:
+        """Store once; a retry gets the plan the first attempt stored."""
+        async with self.pool.acquire() as conn:
+            await conn.execute(SQL_PUT_COMPACTION_PLAN, session_id, checkpoint_id, plan)
+            return dict(await conn.fetchval(SQL_GET_COMPACTION_PLAN, session_id, checkpoint_id))
+
+    async def get_compaction_plan(self, session_id: str, checkpoint_id: str) -> dict[str, Any] | None:
+        value = await self.pool.fetchval(SQL_GET_COMPACTION_PLAN, session_id, checkpoint_id)
+        return dict(value) if value is not None else None
+
+    async def put_summary(self, session_id: str, checkpoint_id: str, index: int, input_text: str, summary: str) -> str:
+        async with self.pool.acquire() as conn:
+            await conn.execute(SQL_PUT_SUMMARY, session_id, checkpoint_id, index, input_text, summary)
+            return str(await conn.fetchval(SQL_GET_SUMMARY, session_id, checkpoint_id, index))
+
+    async def get_summary(self, session_id: str, checkpoint_id: str, index: int) -> str | None:
+        value = await self.pool.fetchval(SQL_GET_SUMMARY, session_id, checkpoint_id, index)
+        return str(value) if value is not None else None
+
+    async def summaries(self, session_id: str, checkpoint_id: str) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_SUMMARIES, session_id, checkpoint_id)
+
+    async def summarizer_inputs(self, session_id: str) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_ALL_SUMMARIZER_INPUTS, session_id)
+
+    async def checkpoints(self, session_id: str) -> list[dict[str, Any]]:
+        return [dict(r["checkpoint"]) for r in await self.pool.fetch(SQL_CHECKPOINTS, session_id)]
+
+    # ------------------------------------------------------------ memory formation
+    async def put_candidate(
+        self,
+        session_id: str,
+        fact_id: str,
+        text: str,
+        *,
+        accepted: bool,
+        gate: str | None,
+        reason: str,
+        memory_id: str | None,
+    ) -> None:
+        await self.pool.execute(SQL_PUT_CANDIDATE, session_id, fact_id, text, accepted, gate, reason, memory_id)
+
+    async def candidates(self, session_id: str) -> list[asyncpg.Record]:
+        return await self.pool.fetch(SQL_CANDIDATES, session_id)
+
+    async def memory_texts(self, scope: str) -> set[str]:
+        return {r["text"] for r in await self.pool.fetch(SQL_MEMORY_TEXTS, scope)}
 
     async def put_prefix(
         self,

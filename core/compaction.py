@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,7 +36,9 @@ class Checkpoint(BaseModel):
 
     checkpoint_id: str
     parent_id: str | None = None
-    depth: int = Field(ge=1, le=MAX_SUMMARY_DEPTH)
+    kind: Literal["summary", "escalation"] = "summary"
+    # Summaries stacked on this history: 1 or 2. An escalation resets it to 0 (a fresh body, pointers only).
+    depth: int = Field(ge=0, le=MAX_SUMMARY_DEPTH)
     covers_from_seq: int = Field(ge=0)
     covers_to_seq: int = Field(ge=0)
     summary: str
@@ -82,6 +85,59 @@ class CompactionResult(BaseModel):
     summarized_items: int = 0
     elided_items: int = 0
     summarizer_input_tokens: int = 0
+
+
+def escalation_checkpoint(
+    history: Sequence[HistoryItem],
+    *,
+    current: Checkpoint,
+    keep_from_seq: int,
+    checkpoint_id: str,
+    ancestors: Sequence[str],
+    count: Callable[[str], int],
+) -> Checkpoint:
+    """The fresh body a child run starts from: no new summary, only references.
+
+    Everything before `keep_from_seq` is covered. Untrusted items since the last checkpoint become pointers
+    (with the earlier ones); trusted items there, and the earlier checkpoints, are named by reference.
+    """
+    span = [i for i in history if current.covers_to_seq < i.seq < keep_from_seq]
+    pointers = list(current.pointers)
+    for item in span:
+        if item.trust not in SUMMARIZABLE and not isinstance(item, ElidedSpan):
+            pointers.append(_elide(item, count))
+        elif isinstance(item, ElidedSpan):
+            pointers.append(item)
+    refs = ", ".join(f"checkpoint:{a}" for a in ancestors)
+    tail = f"; items {span[0].seq}..{span[-1].seq} by item:ID" if span else ""
+    summary = (
+        f"Earlier context was summarized {MAX_SUMMARY_DEPTH} times and is not repeated here. "
+        f"It is available by reference: {refs}{tail}. Untrusted spans are listed as pointers."
+    )
+    return Checkpoint(
+        checkpoint_id=checkpoint_id,
+        parent_id=current.checkpoint_id,
+        kind="escalation",
+        depth=0,
+        covers_from_seq=current.covers_from_seq,
+        covers_to_seq=max(keep_from_seq - 1, current.covers_to_seq),
+        summary=summary,
+        pointers=pointers,
+    )
+
+
+def _elide(item: HistoryItem, count: Callable[[str], int]) -> ElidedSpan:
+    return ElidedSpan(
+        id=f"{item.id}#elided",
+        trust=item.trust,
+        seq=item.seq,
+        original_id=item.id,
+        original_tokens=count(item.body_text()),
+        reference=(item.artifact_ref if isinstance(item, ToolResult) else None) or f"item:{item.id}",
+        # No call_id: the call may be summarized away, and a pointer is not a pair's half.
+        tool_name=getattr(item, "tool_name", None),
+        reason="compaction_elided",
+    )
 
 
 def apply_checkpoint(history: Sequence[HistoryItem], checkpoint: Checkpoint | None) -> list[HistoryItem]:
@@ -171,19 +227,7 @@ def plan_compaction(
             pointers.append(item)
             continue
         if item.trust not in SUMMARIZABLE:
-            pointers.append(
-                ElidedSpan(
-                    id=f"{item.id}#elided",
-                    trust=item.trust,
-                    seq=item.seq,
-                    original_id=item.id,
-                    original_tokens=count(item.body_text()),
-                    reference=(item.artifact_ref if isinstance(item, ToolResult) else None) or f"item:{item.id}",
-                    # No call_id: the call may be summarized away, and a pointer is not a pair's half.
-                    tool_name=getattr(item, "tool_name", None),
-                    reason="compaction_elided",
-                )
-            )
+            pointers.append(_elide(item, count))
             continue
         for piece in _pieces(_text_of(item), count, chunk_tokens):
             tokens = count(piece)

@@ -255,7 +255,7 @@ class CheckpointSummary(Item):
     trust: TrustLevel = TrustLevel.MODEL
     seq: int = Field(ge=0)
     checkpoint_id: str
-    depth: int = Field(ge=1)
+    depth: int = Field(ge=0)
     covers_to_seq: int = Field(ge=0)
     text: str
 

@@ -149,6 +149,7 @@ class SessionMetrics(BaseModel):
     prefix_tokens_reused: int = 0
     compactions: int = 0
     max_summary_depth: int = 0
+    escalations: int = 0
     tool_denials: int = 0
 
     @property
@@ -207,6 +208,7 @@ class BuildInput(BaseModel):
 class BuildResult(BaseModel):
     plan: PlanSummary
     user_item_id: str | None = None
+    turn_start_seq: int = 0
 
 
 class ModelInput(BaseModel):
@@ -283,3 +285,73 @@ class CloseInput(BaseModel):
 
 
 SessionOpen.model_rebuild()
+
+
+# ---------------------------------------------------------------- compaction and escalation
+
+
+class CompactionInput(BaseModel):
+    session_id: str
+    epoch: int
+    turn: int
+    checkpoint_id: str
+    keep_from_seq: int
+    timeouts: ActivityTimeouts = Field(default_factory=ActivityTimeouts)
+
+
+class CompactionStep(BaseModel):
+    """What the compaction policy decided (the plan itself stays in Postgres)."""
+
+    decision: str  # core.compaction.CompactionDecision value
+    checkpoint_id: str
+    depth: int
+    chunks: int = 0
+    covers_from_seq: int = 0
+    covers_to_seq: int = 0
+    pointers: int = 0
+    summarized_items: int = 0
+    reason: str = ""
+
+
+class SummarizeInput(BaseModel):
+    session_id: str
+    checkpoint_id: str
+    chunk_index: int
+
+
+class CompactionOutcome(BaseModel):
+    decision: str
+    checkpoint_id: str
+    depth: int
+    summarized_items: int = 0
+    elided_items: int = 0
+    summarizer_calls: int = 0
+    reason: str = ""
+
+
+class ChildRunInput(BaseModel):
+    """A fresh body for the rest of a turn: same pinned prefix, working state, pointers to the parent's checkpoints."""
+
+    open: SessionOpen
+    state: SessionState
+    turn: int
+    user_item_id: str
+    call_index: int
+
+
+class ChildRunResult(BaseModel):
+    result: TurnResult
+    state: SessionState
+
+
+class FormationInput(BaseModel):
+    session_id: str
+    scope: str
+    turn: int
+    epoch: int
+
+
+class FormationResult(BaseModel):
+    candidates: int
+    written: int
+    rejected: dict[str, int] = Field(default_factory=dict)  # gate -> count

@@ -11,53 +11,41 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from core.plan import PlanStatus, PlanSummary
-    from core.policy import authorize
     from core.working_state import CONTROL_TOOL_NAME
     from ctxengine import names
     from ctxengine.contract import (
-        BuildInput,
-        BuildResult,
+        ChildRunInput,
+        ChildRunResult,
         CloseInput,
         CloseSession,
         EventInput,
+        FormationInput,
+        FormationResult,
         MemoryInput,
         MemoryResult,
-        ModelInput,
-        ModelResult,
         OpenInput,
         OpenResult,
         RevokeTool,
         RotateEpoch,
         SessionOpen,
         SessionState,
-        ToolCallOutcome,
-        ToolInput,
-        ToolResultSummary,
         TurnInput,
         TurnResult,
         WriteMemory,
     )
     from ctxengine.events import EventType
 
-MAX_MODEL_CALLS_PER_TURN = 8
+from workflows.child_run import ChildRunWorkflow
+from workflows.turn import RETRY, TurnRunner
+
 RECENT_UPDATES = 32  # turn results remembered, by update id, across continue-as-new
-RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
-)
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
-
-
-class SessionFailed(ApplicationError):
-    """Raised to fail the whole session (a prefix over its ceiling at open)."""
 
 
 @workflow.defn(name=names.WORKFLOW_SESSION)
@@ -100,9 +88,7 @@ class SessionWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self.state.status == "closed":
             return self.state
-        workflow.continue_as_new(
-            self.open.model_copy(update={"carried": self.state, "carried_results": self.results})
-        )
+        workflow.continue_as_new(self.open.model_copy(update={"carried": self.state, "carried_results": self.results}))
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():
@@ -140,132 +126,22 @@ class SessionWorkflow:
             raise ValueError("submit_turn: text must not be blank")
 
     async def _turn(self, turn: int, text: str, update_id: str) -> TurnResult:
-        t = self.open.timeouts
-        epoch = self.state.epoch
-        outcomes: list[ToolCallOutcome] = []
-        user_item_id: str | None = None
-        plan: PlanSummary | None = None
-        reply = ""
-        calls = 0
-        for call_index in range(MAX_MODEL_CALLS_PER_TURN):
-            built: BuildResult = await workflow.execute_activity(
-                names.ACTIVITY_BUILD,
-                BuildInput(
-                    session_id=self.state.session_id,
-                    turn=turn,
-                    call_index=call_index,
-                    epoch=epoch,
-                    now_iso=workflow.now().isoformat(timespec="seconds"),
-                    user_text=text if call_index == 0 else None,
-                    update_id=update_id if call_index == 0 else None,
-                    user_item_id=user_item_id,
-                ),
-                result_type=BuildResult,
-                start_to_close_timeout=timedelta(seconds=t.build_seconds),
-                retry_policy=RETRY,
-                summary=f"build turn {turn}.{call_index}",
-            )
-            plan = built.plan
-            user_item_id = built.user_item_id
-            self._track_prefix(plan)
-            if plan.status is PlanStatus.NEEDS_COMPACTION:
-                raise ApplicationError(
-                    f"turn {turn}: the context needs compaction ({plan.deficit_tokens:,} tokens over the "
-                    f"{plan.input_limit:,}-token input limit after recall and tool-result yields); "
-                    "the request was not sent",
-                    {"deficit_tokens": plan.deficit_tokens},
-                    type="ContextNeedsCompaction",
-                )
-            model: ModelResult = await workflow.execute_activity(
-                names.ACTIVITY_MODEL,
-                ModelInput(
-                    session_id=self.state.session_id,
-                    turn=turn,
-                    call_index=call_index,
-                    epoch=epoch,
-                    request_sha256=plan.request_sha256,
-                ),
-                result_type=ModelResult,
-                start_to_close_timeout=timedelta(seconds=t.model_seconds),
-                heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
-                retry_policy=RETRY,
-                summary=f"model turn {turn}.{call_index}: {plan.estimated_tokens:,} tokens, "
-                f"{len(plan.yields)} yield(s)",
-            )
-            calls += 1
-            self._count_usage(plan, model)
-            reply = model.text or reply
-            if not model.tool_calls:
-                break
-            for call in model.tool_calls:
-                decision = authorize(
-                    call.name,
-                    pinned=self.state.pinned_tools,
-                    granted=self._granted(),
-                    revoked=self.state.revoked_tools,
-                )
-                if not decision.allowed:
-                    self.state.metrics.tool_denials += 1
-                done: ToolResultSummary = await workflow.execute_activity(
-                    names.ACTIVITY_TOOL,
-                    ToolInput(
-                        session_id=self.state.session_id,
-                        turn=turn,
-                        epoch=epoch,
-                        call=call,
-                        allowed=decision.allowed,
-                        denial=None if decision.allowed else decision.reason,
-                    ),
-                    result_type=ToolResultSummary,
-                    start_to_close_timeout=timedelta(seconds=t.tool_seconds),
-                    retry_policy=RETRY,
-                    summary=f"tool {call.name} turn {turn}" + ("" if decision.allowed else " (denied)"),
-                )
-                if done.working_state is not None:
-                    self.state.working_state = done.working_state
-                outcomes.append(
-                    ToolCallOutcome(
-                        name=call.name,
-                        call_id=call.call_id,
-                        allowed=decision.allowed,
-                        is_error=done.is_error,
-                        trust=done.trust,
-                        summary=done.summary,
-                    )
-                )
-        assert plan is not None
-        self.state.last_plan = plan
-        return TurnResult(
-            turn=turn,
-            epoch=epoch,
-            text=reply,
-            prefix_sha256=plan.prefix_sha256,
-            plan=plan,
-            tool_calls=outcomes,
-            model_calls=calls,
+        runner = TurnRunner(self.open, self.state, escalate=self._escalate)
+        return await runner.run(turn, text=text, update_id=update_id)
+
+    async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
+        """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
+        number = self.state.metrics.escalations
+        done: ChildRunResult = await workflow.execute_child_workflow(
+            ChildRunWorkflow.run,
+            ChildRunInput(
+                open=self.open, state=self.state, turn=turn, user_item_id=user_item_id, call_index=call_index
+            ),
+            id=f"{self.state.session_id}/child-run/{number}",
+            static_summary=f"child run {number} of session {self.state.session_id} (turn {turn})",
         )
-
-    def _granted(self) -> list[str]:
-        grants = self.open.grants
-        base = self.state.pinned_tools if grants is None else [*grants, CONTROL_TOOL_NAME]
-        return [g for g in base if g not in self.state.revoked_tools]
-
-    def _track_prefix(self, plan: PlanSummary) -> None:
-        seen = self.state.prefix_hashes.setdefault(str(plan.epoch), [])
-        if plan.prefix_sha256 not in seen:
-            seen.append(plan.prefix_sha256)
-            if len(seen) > 1:
-                self.state.metrics.prefix_hash_violations += 1
-
-    def _count_usage(self, plan: PlanSummary, model: ModelResult) -> None:
-        m = self.state.metrics
-        m.requests += 1
-        m.input_tokens += model.input_tokens
-        m.cached_tokens += model.cached_tokens
-        m.estimator_error_tokens += model.estimated_tokens - model.input_tokens
-        m.estimator_overruns += int(model.overrun)
-        if m.requests > 1:  # the first request of a session writes the cache; later ones reuse the prefix
-            m.prefix_tokens_reused += min(plan.prefix_tokens, model.input_tokens)
+        self.state = done.state
+        return done.result
 
     def _remember(self, update_id: str, result: TurnResult) -> None:
         self.results[update_id] = result
@@ -374,6 +250,20 @@ class SessionWorkflow:
         await workflow.wait_condition(lambda: self.ready)
         self.closing = True
         async with self.lock:
+            # Established facts become memory candidates at the session boundary (ADR-0020 decision 15).
+            await workflow.execute_activity(
+                names.ACTIVITY_MEMORY_FORM,
+                FormationInput(
+                    session_id=self.state.session_id,
+                    scope=self.open.memory_scope,
+                    turn=self.state.turns,
+                    epoch=self.state.epoch,
+                ),
+                result_type=FormationResult,
+                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                retry_policy=RETRY,
+                summary="memory formation",
+            )
             await workflow.execute_activity(
                 names.ACTIVITY_CLOSE,
                 CloseInput(

@@ -43,10 +43,11 @@ with workflow.unsafe.imports_passed_through():
 
 pytestmark = pytest.mark.integration
 
-HISTORIES = Path(__file__).resolve().parents[1] / "histories"
-RECORD = os.environ.get("CTXENGINE_RECORD_HISTORIES") == "1"
-# Listed at collection time only: this module is re-imported inside the workflow sandbox (it defines a workflow).
-HISTORY_FILES = [] if workflow.unsafe.in_sandbox() else sorted(HISTORIES.glob("*.json"))
+# This module defines a workflow, so the sandbox re-imports it: no file system or environment access there.
+_OUTSIDE = not workflow.unsafe.in_sandbox()
+HISTORIES = Path(__file__).parent.parent / "histories"
+RECORD = _OUTSIDE and os.environ.get("CTXENGINE_RECORD_HISTORIES") == "1"
+HISTORY_FILES = sorted(HISTORIES.glob("*.json")) if _OUTSIDE else []
 
 
 def _workflow_id(name: str) -> str:
@@ -141,12 +142,13 @@ async def test_scenario_replays(name: str, temporal_client: Client, pg_dsn: str,
     async with stack(temporal_client, pg_dsn, task_queue):
         handle = await start(temporal_client, task_queue, session_open(**overrides), session_id=workflow_id)
         await scenario(temporal_client, handle)
-        final = temporal_client.get_workflow_handle(workflow_id)
-        assert (await final.result(result_type=SessionState)).status == "closed"
-    assert handle.run_id is not None
-    histories = await _runs(temporal_client, workflow_id, handle.run_id)
+        final = temporal_client.get_workflow_handle(workflow_id, result_type=SessionState)
+        assert (await final.result()).status == "closed"
+    assert handle.first_execution_run_id is not None
+    histories = await _runs(temporal_client, workflow_id, handle.first_execution_run_id)
     assert len(histories) == (3 if name == "continue_as_new" else 1)
-    await replayer().replay_workflows(histories)
+    for history in histories:
+        await replayer().replay_workflow(history)
     if RECORD:
         HISTORIES.mkdir(exist_ok=True)
         for old in HISTORIES.glob(f"{name}.*json"):
@@ -180,7 +182,7 @@ class ChangedSessionWorkflow(SessionWorkflow):
     # Same parameters and annotations as SessionWorkflow.run (whatever they are): @workflow.init is inherited and
     # Temporal requires init and run to match; __module__/__qualname__ stay this class's, as @workflow.run needs.
     @functools.wraps(SessionWorkflow.run, assigned=("__annotations__", "__doc__"))
-    async def run(self, *args: Any) -> Any:
+    async def run(self, *args: Any) -> Any:  # type: ignore[override]  # same parameters at run time, via wraps
         return await super().run(*args)
 
     async def _turn(self, *args: Any, **kwargs: Any) -> Any:
@@ -197,5 +199,5 @@ async def test_changed_workflow_fails_replay() -> None:
     path = HISTORIES / "tools_memory_close.json"
     if not path.exists():
         pytest.fail(f"{path} is missing: record it with CTXENGINE_RECORD_HISTORIES=1")
-    with pytest.raises(workflow.NondeterminismError):
+    with pytest.raises(workflow.NondeterminismError, match=r"'context\.build' does not match .*'event\.record'"):
         await replayer(ChangedSessionWorkflow).replay_workflow(_history(path))

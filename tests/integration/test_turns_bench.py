@@ -58,6 +58,7 @@ async def result(temporal_address: str, temporal_client: Client, bench_dsn: str)
         long_turns=30,
         sessions=(4,),
         turns_per_session=2,
+        throughput_rounds=1,
         warmup_turns=1,
         address=temporal_address,
         dsn=bench_dsn,
@@ -87,6 +88,11 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     # Ratios and verdicts come last.
     keys = list(result)
     assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
+    assert keys[-len(VERDICTS) - 3 : -len(VERDICTS)] == [
+        "overhead_ratio",
+        "throughput_ratio",
+        "long_session_growth_ratio",
+    ]
     assert keys[-len(VERDICTS) :] == list(VERDICTS)
 
 

@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from temporalio.api.enums.v1 import TaskQueueType
-from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.enums.v1 import DescribeTaskQueueMode, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue, TaskQueueVersionSelection
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_SCRIPT = REPO / "worker.py"
@@ -88,18 +89,43 @@ class WorkerProcess:
         raise TimeoutError(f"{self.name} did not poll {self.task_queue} within {timeout}s:\n{self.log_tail()}")
 
     async def polling(self, client: Client) -> bool:
-        """Whether Temporal lists this process as a poller of the workflow and the activity task queue."""
-        for kind in (TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY):
+        """Whether Temporal lists this process as a poller of both the workflow and the activity task queue.
+
+        The plain describe reports the root partition only, where a poller parked on another partition may not
+        show for a whole long poll (~60 s); the enhanced describe covers every partition but is cached for ~5 s.
+        Either one seeing the process is enough.
+        """
+        kinds = (TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)
+        root: set[TaskQueueType.ValueType] = set()
+        for kind in kinds:
             resp = await client.workflow_service.describe_task_queue(
+                DescribeTaskQueueRequest(
+                    namespace=client.namespace, task_queue=TaskQueue(name=self.task_queue), task_queue_type=kind
+                )
+            )
+            if any(p.identity == self.identity for p in resp.pollers):
+                root.add(kind)
+        if len(root) == len(kinds):
+            return True
+        try:
+            enhanced = await client.workflow_service.describe_task_queue(
                 DescribeTaskQueueRequest(
                     namespace=client.namespace,
                     task_queue=TaskQueue(name=self.task_queue),
-                    task_queue_type=kind,
+                    api_mode=DescribeTaskQueueMode.DESCRIBE_TASK_QUEUE_MODE_ENHANCED,
+                    versions=TaskQueueVersionSelection(unversioned=True),
+                    task_queue_types=kinds,
+                    report_pollers=True,
                 )
             )
-            if not any(p.identity == self.identity for p in resp.pollers):
-                return False
-        return True
+        except RPCError:  # a server without the enhanced mode: the root partition's answer stands
+            return False
+        seen = set(root)
+        for version in enhanced.versions_info.values():
+            for type_number, info in version.types_info.items():
+                if any(p.identity == self.identity for p in info.pollers):
+                    seen.add(TaskQueueType.ValueType(type_number))
+        return len(seen) == len(kinds)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no graceful shutdown, no activity completion, no sticky-queue hand-off."""

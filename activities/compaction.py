@@ -1,0 +1,252 @@
+"""Compaction and memory-formation activities. They run the pure policies of core/ on stored inputs and
+write their results idempotently: a retried activity finds its own earlier write and returns it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.context import SessionActivities
+from activities.provider import SummaryRequest
+from core.compaction import (
+    Checkpoint,
+    CompactionDecision,
+    CompactionPlan,
+    escalation_checkpoint,
+    plan_compaction,
+)
+from core.items import TrustLevel
+from core.working_state import WorkingStateWrite, fold
+from ctxengine import names
+from ctxengine.contract import (
+    CompactionInput,
+    CompactionOutcome,
+    CompactionStep,
+    FormationInput,
+    FormationResult,
+    SummarizeInput,
+)
+from ctxengine.events import EventType
+
+log = structlog.get_logger("ctxengine.compaction")
+SUMMARY_MAX_TOKENS = 300
+MIN_FACT_CHARS = 8
+MAX_FACT_CHARS = 1_000
+
+
+class CompactionActivities:
+    def __init__(self, session: SessionActivities) -> None:
+        self.session = session
+        self.store = session.store
+
+    async def _context(self, session_id: str) -> tuple[Any, Any]:
+        open_, _, cache = await self.session._session(session_id)
+        profile = open_.model_route.profile()
+        return open_, (cache, self.session.counter(profile.encoding), profile)
+
+    def _chunk_tokens(self, context_window: int) -> int:
+        """A summarizer input never exceeds a quarter of the model's window (and 8k tokens)."""
+        return max(512, min(8_000, context_window // 4))
+
+    @activity.defn(name=names.ACTIVITY_COMPACTION_PLAN)
+    async def plan(self, inp: CompactionInput) -> CompactionStep:
+        """Run the pure policy on the stored log and store the plan (a retry gets the stored one)."""
+        _, (cache, counter, profile) = await self._context(inp.session_id)
+        items = await self.session._items(inp.session_id, cache)
+        current_json = await self.store.latest_checkpoint(inp.session_id)
+        current = Checkpoint.model_validate(current_json) if current_json else None
+        plan = plan_compaction(
+            items,
+            current=current,
+            keep_from_seq=inp.keep_from_seq,
+            count=counter.count,
+            chunk_tokens=self._chunk_tokens(profile.context_window),
+        )
+        stored = CompactionPlan.model_validate(
+            await self.store.put_compaction_plan(inp.session_id, inp.checkpoint_id, plan.model_dump(mode="json"))
+        )
+        await self.session._event(
+            inp.session_id,
+            f"compaction_started:{inp.checkpoint_id}",
+            EventType.COMPACTION_STARTED,
+            inp.turn,
+            inp.epoch,
+            {
+                "checkpoint_id": inp.checkpoint_id,
+                "decision": stored.decision.value,
+                "depth": stored.depth,
+                "chunks": len(stored.chunks),
+                "covers": [stored.covers_from_seq, stored.covers_to_seq],
+            },
+        )
+        return CompactionStep(
+            decision=stored.decision.value,
+            checkpoint_id=inp.checkpoint_id,
+            depth=stored.depth,
+            chunks=len(stored.chunks),
+            covers_from_seq=stored.covers_from_seq,
+            covers_to_seq=stored.covers_to_seq,
+            pointers=len(stored.pointers),
+            summarized_items=len({i for c in stored.chunks for i in c.item_ids}),
+            reason=stored.reason,
+        )
+
+    @activity.defn(name=names.ACTIVITY_COMPACTION_SUMMARIZE)
+    async def summarize(self, inp: SummarizeInput) -> int:
+        """Summarize one trusted chunk; the exact input is recorded beside its summary."""
+        existing = await self.store.get_summary(inp.session_id, inp.checkpoint_id, inp.chunk_index)
+        if existing is not None:
+            return len(existing)
+        plan_json = await self.store.get_compaction_plan(inp.session_id, inp.checkpoint_id)
+        if plan_json is None:
+            raise ApplicationError(f"no compaction plan {inp.checkpoint_id}", type="UnknownPlan", non_retryable=True)
+        plan = CompactionPlan.model_validate(plan_json)
+        chunk = plan.chunks[inp.chunk_index]
+        open_, _ = await self._context(inp.session_id)
+        provider = self.session.providers.get(open_.model_route.provider)
+        if provider is None:
+            raise ApplicationError(
+                f"provider {open_.model_route.provider!r} is not configured",
+                type="ProviderNotConfigured",
+                non_retryable=True,
+            )
+        reply = await provider.summarize(
+            SummaryRequest(
+                session_id=inp.session_id, model=open_.model_route.model, text=chunk.text, max_tokens=SUMMARY_MAX_TOKENS
+            )
+        )
+        stored = await self.store.put_summary(
+            inp.session_id, inp.checkpoint_id, inp.chunk_index, chunk.text, reply.text
+        )
+        return len(stored)
+
+    @activity.defn(name=names.ACTIVITY_COMPACTION_COMMIT)
+    async def commit(self, inp: CompactionInput) -> CompactionOutcome:
+        """Write the checkpoint: the parent's summary, then this span's chunk summaries, and the pointers."""
+        plan_json = await self.store.get_compaction_plan(inp.session_id, inp.checkpoint_id)
+        assert plan_json is not None
+        plan = CompactionPlan.model_validate(plan_json)
+        rows = await self.store.summaries(inp.session_id, inp.checkpoint_id)
+        if len(rows) != len(plan.chunks):
+            raise ApplicationError(f"{len(plan.chunks) - len(rows)} chunk summaries missing", type="Incomplete")
+        parts = ([plan.previous_summary] if plan.previous_summary else []) + [r["summary"] for r in rows]
+        checkpoint = Checkpoint(
+            checkpoint_id=inp.checkpoint_id,
+            parent_id=plan.parent_id,
+            depth=plan.depth,
+            covers_from_seq=plan.covers_from_seq,
+            covers_to_seq=plan.covers_to_seq,
+            summary="\n".join(parts),
+            pointers=plan.pointers,
+        )
+        await self.store.put_checkpoint(inp.session_id, checkpoint.model_dump(mode="json"))
+        outcome = CompactionOutcome(
+            decision=CompactionDecision.COMPACT.value,
+            checkpoint_id=inp.checkpoint_id,
+            depth=plan.depth,
+            summarized_items=len({i for c in plan.chunks for i in c.item_ids}),
+            elided_items=len(plan.pointers),
+            summarizer_calls=len(rows),
+        )
+        await self.session._event(
+            inp.session_id,
+            f"compaction_completed:{inp.checkpoint_id}",
+            EventType.COMPACTION_COMPLETED,
+            inp.turn,
+            inp.epoch,
+            outcome.model_dump(mode="json"),
+        )
+        return outcome
+
+    @activity.defn(name=names.ACTIVITY_COMPACTION_ESCALATE)
+    async def escalate(self, inp: CompactionInput) -> CompactionOutcome:
+        """Past depth 2: write a checkpoint that is a fresh body of references, for a child run to start from."""
+        _, (cache, counter, _) = await self._context(inp.session_id)
+        items = await self.session._items(inp.session_id, cache)
+        current_json = await self.store.latest_checkpoint(inp.session_id)
+        if current_json is None:
+            raise ApplicationError(
+                "escalation needs a checkpoint to start from", type="NoCheckpoint", non_retryable=True
+            )
+        current = Checkpoint.model_validate(current_json)
+        ancestors = [c["checkpoint_id"] for c in await self.store.checkpoints(inp.session_id)]
+        checkpoint = escalation_checkpoint(
+            items,
+            current=current,
+            keep_from_seq=inp.keep_from_seq,
+            checkpoint_id=inp.checkpoint_id,
+            ancestors=ancestors,
+            count=counter.count,
+        )
+        await self.store.put_checkpoint(inp.session_id, checkpoint.model_dump(mode="json"))
+        outcome = CompactionOutcome(
+            decision=CompactionDecision.ESCALATE.value,
+            checkpoint_id=inp.checkpoint_id,
+            depth=0,
+            elided_items=len(checkpoint.pointers),
+            reason=f"summary depth is capped at 2; child run from {inp.checkpoint_id}",
+        )
+        await self.session._event(
+            inp.session_id,
+            f"compaction_completed:{inp.checkpoint_id}",
+            EventType.COMPACTION_COMPLETED,
+            inp.turn,
+            inp.epoch,
+            outcome.model_dump(mode="json"),
+        )
+        return outcome
+
+    @activity.defn(name=names.ACTIVITY_MEMORY_FORM)
+    async def form_memories(self, inp: FormationInput) -> FormationResult:
+        """Offer the session's established facts to memory formation; every gate's rejection is recorded.
+
+        Gates, in order: untrusted (a fact derived from untrusted content is never written), length,
+        duplicate (already a memory in scope). Idempotent: a fact is decided once per session.
+        """
+        _, (_, counter, _) = await self._context(inp.session_id)
+        writes = [WorkingStateWrite.model_validate(w) for w in await self.store.working_state_writes(inp.session_id)]
+        state = fold(writes, count=counter.count, upto_turn=inp.turn + 1)
+        decided = {r["fact_id"] for r in await self.store.candidates(inp.session_id)}
+        known = await self.store.memory_texts(inp.scope)
+        written = 0
+        rejected: dict[str, int] = {}
+        for fact in state.facts:
+            if fact.id in decided:
+                continue
+            text = fact.text.strip()
+            gate, reason = None, "accepted"
+            if fact.derived_from_untrusted:
+                gate, reason = "untrusted", "derived from untrusted content: the write ban applies"
+            elif not MIN_FACT_CHARS <= len(text) <= MAX_FACT_CHARS:
+                gate, reason = "length", f"{len(text)} characters, outside {MIN_FACT_CHARS}..{MAX_FACT_CHARS}"
+            elif text.lower() in known:
+                gate, reason = "duplicate", "already a memory in this scope"
+            memory_id = None
+            if gate is None:
+                memory_id = f"{inp.session_id}:{fact.id}"
+                await self.store.write_memory(
+                    inp.scope, memory_id, text, trust=TrustLevel.MODEL.value, session_id=inp.session_id, corrects=None
+                )
+                known.add(text.lower())
+                written += 1
+            else:
+                rejected[gate] = rejected.get(gate, 0) + 1
+            await self.store.put_candidate(
+                inp.session_id, fact.id, text, accepted=gate is None, gate=gate, reason=reason, memory_id=memory_id
+            )
+        log.info(
+            "memory.formation",
+            session_id=inp.session_id,
+            turn=inp.turn,
+            epoch=inp.epoch,
+            candidates=len(state.facts),
+            written=written,
+            rejected=rejected,
+        )
+        return FormationResult(candidates=len(state.facts), written=written, rejected=rejected)
+
+    def all(self) -> list[Any]:
+        return [self.plan, self.summarize, self.commit, self.escalate, self.form_memories]

@@ -1,0 +1,104 @@
+"""Compaction, escalation and working state on the live stack (ADR-0020 decisions 10, 12, 14)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from temporalio.client import Client
+
+from activities.store import ForeignReferenceError, Store
+from activities.tools import marker
+from ctxengine import names
+from ctxengine.contract import SessionState
+from tests.integration.session_helpers import session_open, stack, start, turn
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"context_window": 5_000, "output_reserve": 500}
+CONSTRAINTS = [f"constraint number {i:02d}: never book flights before 09:{i:02d}" for i in range(20)]
+
+
+def _set_constraints() -> str:
+    ops = [{"op": "add_constraint", "text": c} for c in CONSTRAINTS]
+    return "/call context.update_working_state " + json.dumps({"operations": ops})
+
+
+async def _run_until(handle, store: Store, *, escalations: int, max_turns: int = 120) -> list:  # type: ignore[no-untyped-def]
+    results = []
+    for i in range(max_turns):
+        text = f"turn {i}: look this up\n/call web.fetch {json.dumps({'url': f'fixture://marker/{i}'})}"
+        results.append(await turn(handle, text))
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        if state.metrics.escalations >= escalations:
+            return results
+    raise AssertionError(f"no escalation within {max_turns} turns: {state.metrics}")
+
+
+async def test_laundering_constraints_and_prefix(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Two compactions then an escalation: no untrusted byte reaches a summarizer, pointers resolve, constraints
+    and the prefix hash survive."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+        first = await turn(handle, _set_constraints())
+        assert not first.tool_calls[0].is_error
+        results = [first, *await _run_until(handle, store, escalations=1)]
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.metrics.compactions >= 2 and state.metrics.max_summary_depth == 2
+        assert state.metrics.escalations == 1
+
+        # Laundering: every summarizer input recorded, none with a marker byte.
+        inputs = await store.summarizer_inputs(handle.id)
+        assert inputs
+        markers = [marker(str(i)) for i in range(len(results))]
+        assert not [m for m in markers for row in inputs if m in row["input"]]
+        assert not [row for row in inputs if "MARKER-" in row["input"]]
+
+        # Every untrusted span is a pointer that resolves to the original bytes and keeps its trust level.
+        checkpoints = await store.checkpoints(handle.id)
+        pointers = [p for cp in checkpoints for p in cp["pointers"]]
+        assert pointers
+        for p in pointers:
+            content, trust = await store.resolve(handle.id, p["reference"])
+            assert trust == p["trust"] == "EXTERNAL_UNTRUSTED"
+            assert "MARKER-" in content
+
+        # Constraints survive byte for byte; the prefix hash never moved.
+        for c in CONSTRAINTS:
+            assert c in state.working_state
+        last = await store.get_request(results[-1].plan.request_sha256)
+        ws = next(s for s in last["body"] if s["kind"] == "working_state")
+        assert all(c in ws["text"] for c in CONSTRAINTS)
+        records = await store.records(handle.id)
+        assert len({r["prefix_sha256"] for r in records}) == 1
+
+        # Compaction and escalation are child workflows of the session.
+        kids = [w.id async for w in temporal_client.list_workflows(f'WorkflowId STARTS_WITH "{handle.id}/"')]
+        assert any("/compaction/" in k for k in kids) and any("/child-run/" in k for k in kids)
+
+
+async def test_foreign_reference_is_refused(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A pointer of one session never resolves in another: a typed error, whoever asks."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        a = await start(temporal_client, task_queue)
+        b = await start(temporal_client, task_queue)
+        await turn(a, '/call web.fetch {"url": "fixture://marker/secret"}')
+        await turn(b, "hello")
+        ref = next(r["payload"]["artifact_ref"] for r in await store.load_items(a.id) if r["payload"]["kind"] == "tool_result")
+        content, trust = await store.resolve(a.id, ref)
+        assert marker("secret") in content and trust == "EXTERNAL_UNTRUSTED"
+        with pytest.raises(ForeignReferenceError):
+            await store.resolve(b.id, ref)
+
+
+async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """With history filling the window, a long new message still gets its turn after compaction."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+        for i in range(12):
+            await turn(handle, f"message {i}: " + "context " * 120)
+        big = await turn(handle, "a long final question: " + "detail " * 600)
+        assert big.plan.status == "fits"
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.metrics.compactions >= 1
+        assert len({r["prefix_sha256"] for r in await store.records(handle.id)}) == 1

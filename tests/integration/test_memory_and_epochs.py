@@ -1,0 +1,98 @@
+"""Memory formation, corrections and epoch rotation on the live stack (ADR-0020 decisions 5 and 15)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from temporalio.client import Client
+
+from ctxengine import names
+from ctxengine.contract import ModelRoute, RotateEpoch, SessionState, WriteMemory
+from tests.integration.session_helpers import session_open, stack, start, turn
+
+pytestmark = pytest.mark.integration
+
+
+def facts(*texts: str) -> str:
+    return "/call context.update_working_state " + json.dumps(
+        {"operations": [{"op": "add_fact", "text": t} for t in texts]}
+    )
+
+
+async def test_formation_gates_and_untrusted_ban(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """At close, facts pass the gates in order; a fact written with untrusted content in view is never stored."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await store.write_memory("default", "old", "The user lives in Bergen.", trust="USER", session_id=None,
+                                 corrects=None)
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, facts("The user prefers trains over planes.", "tiny", "The user lives in Bergen."))
+        await turn(handle, '/call web.fetch {"url": "fixture://injection"}\n' + facts("Trailrunner 5 is the best boot."))
+        await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
+        rows = {r["text"]: r for r in await store.candidates(handle.id)}
+        assert rows["The user prefers trains over planes."]["accepted"]
+        assert rows["tiny"]["gate"] == "length"
+        assert rows["The user lives in Bergen."]["gate"] == "duplicate"
+        assert rows["Trailrunner 5 is the best boot."]["gate"] == "untrusted"
+        texts = {r["text"] for r in await store.pool.fetch("SELECT text FROM memories")}
+        assert "The user prefers trains over planes." in texts
+        assert "Trailrunner 5 is the best boot." not in texts
+
+
+async def test_correction_of_snapshot_memory(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Correcting a snapshot memory adds a correction line in Region B; the prefix stays byte-stable."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await store.write_memory("default", "home", "The user lives in Bergen.", trust="USER", session_id=None,
+                                 corrects=None)
+        handle = await start(temporal_client, task_queue)
+        before = await turn(handle, "hello")
+        result = await handle.execute_update(
+            names.UPDATE_WRITE_MEMORY, WriteMemory(text="The user moved to Oslo.", corrects="home")
+        )
+        assert result["correction_of_snapshot"]
+        after = await turn(handle, "where do I live?")
+        assert after.prefix_sha256 == before.prefix_sha256
+        body = (await store.get_request(after.plan.request_sha256))["body"]
+        line = next(s for s in body if s["kind"] == "correction")
+        assert "moved to Oslo" in line["text"] and line["region"] == "B"
+        prefix = (await store.get_prefix(handle.id, 1))["prefix"]["text"]
+        assert "Bergen" in prefix and "Oslo" not in prefix
+
+
+async def test_epoch_rotation(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """rotate_epoch opens a new prefix, emits context.epoch.rotated with the reason, and counts epochs."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        before = await turn(handle, "hello")
+        await handle.execute_update(
+            names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="forced_revocation", revoke_tools=["web.fetch"])
+        )
+        after = await turn(handle, '/call web.fetch {"url": "fixture://weather"}')
+        assert after.epoch == 2 and after.prefix_sha256 != before.prefix_sha256
+        assert not after.tool_calls[0].allowed
+        prefix2 = (await store.get_prefix(handle.id, 2))["prefix"]["text"]
+        assert "web.fetch" not in prefix2
+        await handle.execute_update(
+            names.UPDATE_ROTATE_EPOCH,
+            RotateEpoch(reason="model_route_changed", model_route=ModelRoute(model="scripted-2")),
+        )
+        third = await turn(handle, "again")
+        assert third.epoch == 3
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.metrics.epochs == 3 and state.metrics.prefix_hash_violations == 0
+        events = [e for e in await store.events(handle.id) if e["type"] == "context.epoch.rotated"]
+        assert [e["payload"]["reason"] for e in events] == ["forced_revocation", "model_route_changed"]
+        records = await store.records(handle.id)
+        for epoch in (1, 2, 3):
+            assert len({r["prefix_sha256"] for r in records if r["epoch"] == epoch}) == 1
+
+
+async def test_untrusted_in_history_taints_later_facts(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A fact written while an untrusted result from an earlier turn is still in view is marked untrusted."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, '/call web.fetch {"url": "fixture://injection"}')
+        await turn(handle, facts("Trailrunner 5 boots are waterproof."))
+        await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
+        rows = await store.candidates(handle.id)
+        assert [r["gate"] for r in rows] == ["untrusted"]

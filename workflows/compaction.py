@@ -1,0 +1,75 @@
+"""CompactionWorkflow: a child of the session that writes one checkpoint (ADR-0020 decisions 10 and 12).
+
+Plan (pure policy, stored), summarize each trusted chunk, commit the checkpoint. Past depth 2 it writes an
+escalation checkpoint instead, and the session continues the turn in a ChildRunWorkflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from core.compaction import CompactionDecision
+    from ctxengine import names
+    from ctxengine.contract import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
+
+RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)
+)
+SUMMARIZE_CONCURRENCY = 4
+
+
+@workflow.defn(name=names.WORKFLOW_COMPACTION)
+class CompactionWorkflow:
+    @workflow.run
+    async def run(self, inp: CompactionInput) -> CompactionOutcome:
+        t = inp.timeouts
+        step: CompactionStep = await workflow.execute_activity(
+            names.ACTIVITY_COMPACTION_PLAN,
+            inp,
+            result_type=CompactionStep,
+            start_to_close_timeout=timedelta(seconds=t.build_seconds),
+            retry_policy=RETRY,
+            summary=f"plan {inp.checkpoint_id}",
+        )
+        if step.decision == CompactionDecision.NOTHING_TO_COMPACT.value:
+            return CompactionOutcome(
+                decision=step.decision, checkpoint_id=inp.checkpoint_id, depth=step.depth, reason=step.reason
+            )
+        if step.decision == CompactionDecision.ESCALATE.value:
+            outcome: CompactionOutcome = await workflow.execute_activity(
+                names.ACTIVITY_COMPACTION_ESCALATE,
+                inp,
+                result_type=CompactionOutcome,
+                start_to_close_timeout=timedelta(seconds=t.build_seconds),
+                retry_policy=RETRY,
+                summary=f"escalate: {step.reason}",
+            )
+            return outcome
+        # Bounded fan-out: each chunk is at most the summarizer's window, whatever the size of the history.
+        semaphore = asyncio.Semaphore(SUMMARIZE_CONCURRENCY)
+
+        async def summarize(index: int) -> None:
+            async with semaphore:
+                await workflow.execute_activity(
+                    names.ACTIVITY_COMPACTION_SUMMARIZE,
+                    SummarizeInput(session_id=inp.session_id, checkpoint_id=inp.checkpoint_id, chunk_index=index),
+                    start_to_close_timeout=timedelta(seconds=t.model_seconds),
+                    retry_policy=RETRY,
+                    summary=f"summarize chunk {index + 1}/{step.chunks}",
+                )
+
+        await asyncio.gather(*(summarize(i) for i in range(step.chunks)))
+        done: CompactionOutcome = await workflow.execute_activity(
+            names.ACTIVITY_COMPACTION_COMMIT,
+            inp,
+            result_type=CompactionOutcome,
+            start_to_close_timeout=timedelta(seconds=t.build_seconds),
+            retry_policy=RETRY,
+            summary=f"commit {inp.checkpoint_id} (depth {step.depth})",
+        )
+        return done
