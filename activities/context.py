@@ -597,14 +597,12 @@ class SessionActivities:
         return "working state updated", TrustLevel.PLATFORM, False, None
 
     async def _untrusted_in_view(self, inp: ToolInput, items: list[HistoryItem]) -> bool:
-        """Whether untrusted text was in the request that produced this call, or arrived earlier in the turn.
+        """Whether untrusted text was in the request that produced this call, or is already in this turn's log.
 
         A fact written then may derive from it, so it is marked and never reaches memory formation.
         """
-        call = next((i for i in items if i.id == inp.call.item_id), None)
-        if call is not None and any(
-            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED and i.seq < call.seq
-            and i.id.startswith(f"t{inp.turn}.")
+        if any(
+            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED and i.id.startswith(f"t{inp.turn}.")
             for i in items
         ):
             return True
