@@ -19,27 +19,23 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
-from core.errors import ContextError, NonYieldableOverflowError, PrefixOverflowError, WorkingStateCapError
+from core.compaction import Checkpoint
+from core.errors import ContextError, PrefixOverflowError
 from core.estimator import ModelProfile, TokenEstimator, reconcile
 from core.items import (
     AssistantMessage,
-    CorrectionLine,
-    CurrentUserMessage,
     HistoryItem,
     MemorySnapshotEntry,
-    RecallItem,
     ToolCall,
     ToolDefinition,
     ToolResult,
     TrustLevel,
-    TurnContext,
-    UserMessage,
-    WorkingStateBlock,
     parse_history_item,
 )
 from core.plan import ContextPlan
@@ -200,15 +196,16 @@ class SessionActivities:
             for r in await self.store.snapshot_memories(inp.open.memory_scope, budget.memory_snapshot_max_items)
         ]
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
+        prefix_inputs = PrefixInputs(
+            epoch=inp.epoch,
+            platform_policy=inp.open.platform_policy,
+            agent_instructions=inp.open.agent_instructions,
+            tools=tools,
+            memory_snapshot=snapshot,
+        )
         try:
             prefix = open_prefix(
-                PrefixInputs(
-                    epoch=inp.epoch,
-                    platform_policy=inp.open.platform_policy,
-                    agent_instructions=inp.open.agent_instructions,
-                    tools=tools,
-                    memory_snapshot=snapshot,
-                ),
+                prefix_inputs,
                 budget=budget,
                 estimator=estimator,
                 secret=secret,
@@ -237,6 +234,7 @@ class SessionActivities:
             inp.reason,
             profile.model_dump(mode="json"),
             prefix.model_dump(mode="json"),
+            prefix_inputs.model_dump(mode="json"),
         )
         stored = await self.store.get_prefix(inp.session_id, inp.epoch)
         assert stored is not None
@@ -280,7 +278,8 @@ class SessionActivities:
         prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
         profile = await self._profile(profile)
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
-        plan, inputs = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
+        plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
+        inputs = ri.model_dump(mode="json")
         body = [_segment_json(s) for s in plan.segments if s.region.value == "B"]
         await self.store.put_request(plan.request_sha256, plan.prefix_sha256, body)
         hashes = await self.store.record_request(
@@ -316,7 +315,7 @@ class SessionActivities:
                 {"yields": [y.model_dump(mode="json") for y in plan.yields]},
             )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
-        return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=inputs["turn_start_seq"])
+        return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
 
     async def _plan(
         self,
@@ -327,80 +326,39 @@ class SessionActivities:
         prefix: FrozenPrefix,
         estimator: TokenEstimator,
         user_item_id: str | None,
-    ) -> tuple[ContextPlan, dict[str, Any]]:
+    ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
         items = await self._items(inp.session_id, cache)
-        user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
-        turn_start = user.seq if user is not None else (items[-1].seq + 1 if items else 0)
         checkpoint_json = await self.store.latest_checkpoint(inp.session_id)
-        from core.compaction import Checkpoint
-
         checkpoint = Checkpoint.model_validate(checkpoint_json) if checkpoint_json else None
-        if inp.call_index == 0 and isinstance(user, UserMessage):
-            history = [i for i in items if i.seq != user.seq]
-            current: CurrentUserMessage | None = CurrentUserMessage(id=user.id, seq=user.seq, text=user.text)
-        else:
-            history, current = list(items), None
-        budget = open_.context_budget()
-        count = estimator.counter.count
         writes = await self.store.working_state_writes(inp.session_id)
-        ws = self._working_state(writes, count, inp.turn + 1)
-        ws_text = render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else ""
+        ws = self._working_state(writes, estimator.counter.count, inp.turn + 1)
         snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
-        query = user.text if user is not None else ""
+        user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
+        query = user.body_text() if user is not None else ""
         recall_rows = await self.store.search_memories(open_.memory_scope, query, limit=10, exclude=snapshot_ids)
-        recall = [
-            RecallItem(
-                id=f"recall.{r['memory_id']}",
-                memory_id=r["memory_id"],
-                rank=i,
-                text=r["text"],
-                trust=TrustLevel(r["trust"]),
-            )
-            for i, r in enumerate(recall_rows)
-        ]
-        corrections = [
-            CorrectionLine(
-                id=f"correction.{r['memory_id']}",
-                memory_id=r["corrects"],
-                text=r["text"],
-                trust=TrustLevel(r["trust"]),
-            )
-            for r in await self.store.corrections(open_.memory_scope, snapshot_ids)
-        ]
-        body = BodyInputs(
-            history=history,
-            checkpoint=checkpoint,
-            turn_start_seq=turn_start,
-            current=current,
-            recall=recall,
-            corrections=corrections,
-            working_state=WorkingStateBlock(id=f"working_state.{inp.turn}.{inp.call_index}", text=ws_text)
-            if ws_text
-            else None,
-            turn_context=TurnContext(
-                id=f"clock.{inp.turn}.{inp.call_index}", text=f"Current date and time (UTC): {inp.now_iso}"
-            ),
+        correction_rows = await self.store.corrections(open_.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=inp.turn,
+            call_index=inp.call_index,
+            max_seq=items[-1].seq if items else -1,
+            user_item_id=user_item_id,
+            checkpoint_id=checkpoint.checkpoint_id if checkpoint else None,
+            recall=[StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"]) for r in recall_rows],
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in correction_rows
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso=inp.now_iso,
+            profile=estimator.profile,
+            budget=open_.context_budget(estimator.profile),
         )
+        body = body_inputs(items, checkpoint, ri)
         try:
-            plan = build(prefix, body, budget=budget, estimator=estimator, secret=secret, cache=cache.render)
-        except (NonYieldableOverflowError, WorkingStateCapError) as exc:
-            raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
+            plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render)
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
-        inputs = {
-            "max_seq": max((i.seq for i in items), default=-1),
-            "user_item_id": user_item_id,
-            "call_index": inp.call_index,
-            "turn_start_seq": turn_start,
-            "checkpoint_id": checkpoint.checkpoint_id if checkpoint else None,
-            "recall_ids": [r.memory_id for r in recall],
-            "correction_ids": [c.id for c in corrections],
-            "working_state": ws_text,
-            "now_iso": inp.now_iso,
-            "profile": estimator.profile.model_dump(mode="json"),
-            "budget": budget.model_dump(mode="json"),
-        }
-        return plan, inputs
+        return plan, ri, body
 
     @activity.defn(name=names.ACTIVITY_MODEL)
     async def call_model(self, inp: ModelInput) -> ModelResult:
@@ -413,50 +371,44 @@ class SessionActivities:
                 type="UnknownRequest",
                 non_retryable=True,
             )
-        prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
+        prefix, epoch_profile = await self._prefix(inp.session_id, inp.epoch, cache)
+        base = f"t{inp.turn}.m{inp.call_index}."
+        logged = [i for i in await self._items(inp.session_id, cache) if i.id.startswith(base)]
+        if logged and record["actual_input_tokens"] is not None:
+            # A retry after the reply was stored: never ask the model twice for one request.
+            return _model_result(
+                logged,
+                record["actual_input_tokens"],
+                record["cached_tokens"] or 0,
+                record["output_tokens"] or 0,
+                record["estimated_tokens"],
+                overrun=None,
+            )
         stored = await self.store.get_request(inp.request_sha256)
         assert stored is not None
         segments = [_provider_segment(s.model_dump(mode="json")) for s in prefix.segments]
         segments += [_provider_segment(s) for s in stored["body"]]
-        route = open_.model_route
-        provider = self.providers.get(route.provider)
+        provider = self.providers.get(epoch_profile.provider)
         if provider is None:
             raise ApplicationError(
-                f"provider {route.provider!r} is not configured on this worker",
+                f"provider {epoch_profile.provider!r} is not configured on this worker",
                 type="ProviderNotConfigured",
                 non_retryable=True,
             )
         request = ProviderRequest(
             session_id=inp.session_id,
             epoch=inp.epoch,
-            provider=route.provider,
-            model=route.model,
+            provider=epoch_profile.provider,
+            model=epoch_profile.model,
             prefix_sha256=prefix.sha256,
             request_sha256=inp.request_sha256,
             segments=segments,
             tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
-            usage_ratio=route.scripted_usage_ratio,
+            usage_ratio=open_.model_route.scripted_usage_ratio,
+            estimated_tokens=record["estimated_tokens"],
         )
         reply = await _heartbeating(provider.complete(request))
-        base = f"t{inp.turn}.m{inp.call_index}"
-        new_items: list[dict[str, Any]] = []
-        if reply.text:
-            new_items.append({"id": f"{base}.text", "kind": "assistant_message", "trust": "MODEL", "text": reply.text})
-        for j, call in enumerate(reply.tool_calls):
-            new_items.append(
-                {
-                    "id": f"{base}.call{j}",
-                    "kind": "tool_call",
-                    "trust": "MODEL",
-                    "call_id": call.call_id,
-                    "tool_name": call.name,
-                    "arguments": call.arguments,
-                }
-            )
-        await self.store.append_items(inp.session_id, inp.turn, new_items)
-        items = {i.id: i for i in await self._items(inp.session_id, cache) if i.id.startswith(base + ".")}
-        text_item = items.get(f"{base}.text")
-        calls = [i for i in items.values() if isinstance(i, ToolCall)]
+        # Usage first (the first attempt's figures win), then the reply's items, all or none of them.
         await self.store.record_usage(
             inp.session_id,
             inp.turn,
@@ -465,12 +417,28 @@ class SessionActivities:
             cached=reply.usage.cached_tokens,
             output=reply.usage.output_tokens,
         )
-        profile = await self._profile(route.profile())
+        new_items: list[dict[str, Any]] = []
+        if reply.text:
+            new_items.append({"id": f"{base}text", "kind": "assistant_message", "trust": "MODEL", "text": reply.text})
+        for j, call in enumerate(reply.tool_calls):
+            new_items.append(
+                {
+                    "id": f"{base}call{j}",
+                    "kind": "tool_call",
+                    "trust": "MODEL",
+                    "call_id": call.call_id,
+                    "tool_name": call.name,
+                    "arguments": call.arguments,
+                }
+            )
+        await self.store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
+        logged = [i for i in await self._items(inp.session_id, cache) if i.id.startswith(base)]
+        record = await self.store.get_record(inp.session_id, inp.turn, inp.call_index)
+        assert record is not None
+        actual = record["actual_input_tokens"]
+        profile = await self._profile(epoch_profile)
         learned, rec = reconcile(
-            profile,
-            raw_tokens=record["raw_tokens"],
-            estimated_tokens=record["estimated_tokens"],
-            actual_tokens=reply.usage.input_tokens,
+            profile, raw_tokens=record["raw_tokens"], estimated_tokens=record["estimated_tokens"], actual_tokens=actual
         )
         await self.store.set_calibration(profile.route, learned.calibration)
         await self._event(
@@ -481,16 +449,12 @@ class SessionActivities:
             inp.epoch,
             rec.model_dump(mode="json"),
         )
-        return ModelResult(
-            text=text_item.text if isinstance(text_item, AssistantMessage) else "",
-            tool_calls=[
-                ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments)
-                for c in sorted(calls, key=lambda c: c.seq)
-            ],
-            input_tokens=reply.usage.input_tokens,
-            cached_tokens=reply.usage.cached_tokens,
-            output_tokens=reply.usage.output_tokens,
-            estimated_tokens=record["estimated_tokens"],
+        return _model_result(
+            logged,
+            actual,
+            record["cached_tokens"] or 0,
+            record["output_tokens"] or 0,
+            record["estimated_tokens"],
             overrun=rec.overrun,
         )
 
@@ -662,6 +626,25 @@ async def _heartbeating(work: Awaitable[T]) -> T:
         if done:
             return task.result()
         activity.heartbeat()
+
+
+def _model_result(
+    logged: list[HistoryItem], actual: int, cached: int, output: int, estimated: int, *, overrun: bool | None
+) -> ModelResult:
+    """The model call's result as the log holds it (the log, not this attempt's reply, is the truth)."""
+    text = next((i.text for i in logged if isinstance(i, AssistantMessage)), "")
+    calls = sorted((i for i in logged if isinstance(i, ToolCall)), key=lambda c: c.seq)
+    return ModelResult(
+        text=text,
+        tool_calls=[
+            ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments) for c in calls
+        ],
+        input_tokens=actual,
+        cached_tokens=cached,
+        output_tokens=output,
+        estimated_tokens=estimated,
+        overrun=estimated < actual if overrun is None else overrun,
+    )
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:

@@ -41,6 +41,7 @@ MIGRATIONS: tuple[str, ...] = (
         reason text NOT NULL,
         profile jsonb NOT NULL,
         prefix jsonb NOT NULL,
+        inputs jsonb NOT NULL,
         created_at timestamptz NOT NULL DEFAULT now(),
         PRIMARY KEY (session_id, epoch)
     );

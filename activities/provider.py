@@ -39,6 +39,7 @@ class ProviderRequest(BaseModel):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     max_output_tokens: int = 1_024
     usage_ratio: float = 1.0
+    estimated_tokens: int | None = None  # what let this request through: reported by context-length errors
 
 
 class ProviderToolCall(BaseModel):
@@ -190,5 +191,14 @@ def _first_words(text: str, limit: int = 60) -> str:
 
 
 def build_providers(counter: TiktokenCounter | None = None) -> dict[str, ModelProvider]:
-    """The providers this worker can route to. Real adapters register here when configured."""
-    return {"scripted": ScriptedProvider(counter)}
+    """The providers this worker can route to: `scripted` always; `openai` and `anthropic` as adapters when
+    their API key is set in the environment, else as a stand-in whose every call fails non-retryably with a
+    message naming the variables to set (docs/providers.md)."""
+    from activities.anthropic_provider import AnthropicProvider
+    from activities.openai_provider import OpenAIProvider
+
+    return {
+        "scripted": ScriptedProvider(counter),
+        "openai": OpenAIProvider.from_env(counter=counter),
+        "anthropic": AnthropicProvider.from_env(),
+    }

@@ -57,9 +57,10 @@ VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, fact_id) DO NOTHING
 SQL_CANDIDATES = "SELECT * FROM memory_candidates WHERE session_id = $1 ORDER BY fact_id"
 SQL_MEMORY_TEXTS = "SELECT lower(text) AS text FROM memories WHERE scope = $1"
 SQL_PUT_PREFIX = """
-INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix) VALUES ($1, $2, $3, $4, $5, $6)
+INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix, inputs) VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (session_id, epoch) DO NOTHING"""
-SQL_GET_PREFIX = "SELECT sha256, reason, profile, prefix FROM prefixes WHERE session_id = $1 AND epoch = $2"
+SQL_GET_PREFIX = "SELECT sha256, reason, profile, prefix, inputs FROM prefixes WHERE session_id = $1 AND epoch = $2"
+SQL_GET_CHECKPOINT = "SELECT checkpoint FROM checkpoints WHERE session_id = $1 AND checkpoint_id = $2"
 SQL_PUT_REQUEST = """
 INSERT INTO rendered_requests (sha256, prefix_sha256, body) VALUES ($1, $2, $3) ON CONFLICT (sha256) DO NOTHING"""
 SQL_GET_REQUEST = "SELECT prefix_sha256, body FROM rendered_requests WHERE sha256 = $1"
@@ -79,7 +80,8 @@ SQL_GET_RECORD = "SELECT * FROM request_records WHERE session_id = $1 AND turn =
 SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn, call_index"
 SQL_RECORD_USAGE = """
 UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
-WHERE session_id = $1 AND turn = $2 AND call_index = $3"""
+WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL"""
+SQL_GROUP_LOGGED = "SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $2) LIMIT 1"
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1"""
@@ -175,14 +177,20 @@ class Store:
         await self.pool.execute(SQL_CLOSE_SESSION, session_id, reason)
 
     # ------------------------------------------------------------ the session log
-    async def append_items(self, session_id: str, turn: int, items: Sequence[dict[str, Any]]) -> list[int]:
+    async def append_items(
+        self, session_id: str, turn: int, items: Sequence[dict[str, Any]], *, group_prefix: str | None = None
+    ) -> list[int]:
         """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order.
 
-        Returns each item's seq; an item whose id is already logged keeps its first seq and payload.
+        Returns each item's seq; an item whose id is already logged keeps its first seq and payload. With
+        `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
+        (a retried model call must not mix two replies).
         """
         seqs: list[int] = []
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(SQL_LOCK_SESSION, session_id)
+            if group_prefix and await conn.fetchval(SQL_GROUP_LOGGED, session_id, group_prefix):
+                return []
             nxt: int = await conn.fetchval(SQL_NEXT_SEQ, session_id)
             for item in items:
                 existing = await conn.fetchval(SQL_ITEM_BY_ID, session_id, item["id"])
@@ -288,8 +296,9 @@ class Store:
         reason: str,
         profile: dict[str, Any],
         prefix: dict[str, Any],
+        inputs: dict[str, Any],
     ) -> None:
-        await self.pool.execute(SQL_PUT_PREFIX, session_id, epoch, sha, reason, profile, prefix)
+        await self.pool.execute(SQL_PUT_PREFIX, session_id, epoch, sha, reason, profile, prefix, inputs)
 
     async def get_prefix(self, session_id: str, epoch: int) -> asyncpg.Record | None:
         return await self.pool.fetchrow(SQL_GET_PREFIX, session_id, epoch)
@@ -407,6 +416,10 @@ class Store:
             checkpoint["covers_to_seq"],
             checkpoint,
         )
+
+    async def get_checkpoint(self, session_id: str, checkpoint_id: str) -> dict[str, Any] | None:
+        row = await self.pool.fetchval(SQL_GET_CHECKPOINT, session_id, checkpoint_id)
+        return dict(row) if row is not None else None
 
     async def latest_checkpoint(self, session_id: str) -> dict[str, Any] | None:
         row = await self.pool.fetchval(SQL_LATEST_CHECKPOINT, session_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +16,16 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figure
 app.add_typer(bench_app, name="bench")
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+
+
+@app.callback()
+def _setup(ctx: typer.Context) -> None:
+    """Logs go to stderr as JSON lines (stdout is for results); the worker logs at info, the rest at warning."""
+    import logging
+
+    from worker import configure_logging
+
+    configure_logging(logging.INFO if ctx.invoked_subcommand == "worker" else logging.WARNING)
 
 
 def emit(result: dict[str, Any], as_json: bool, title: str) -> None:
@@ -54,9 +65,21 @@ def bench_turns(
     emit(asyncio.run(run(turns=turns, long_turns=long_turns, progress=not as_json)), as_json, "bench turns")
 
 
+@bench_app.command("cache")
+def bench_cache(as_json: JsonFlag = False) -> None:
+    """Cache economics: ctxengine against a naive assembler and a summarize-everything compactor, priced."""
+    from bench.cache_bench import run
+
+    emit(run(progress=not as_json), as_json, "bench cache")
+
+
 @app.command()
 def demo(
     keep_running: Annotated[bool, typer.Option("--keep-running", help="Leave services and the UI up.")] = False,
+    provider: Annotated[
+        str, typer.Option(help="scripted (offline), openai or anthropic (see docs/providers.md for keys).")
+    ] = "scripted",
+    model: Annotated[str | None, typer.Option(help="Model name for a real provider.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Bring everything up, run one scripted session, print each turn and the Temporal UI address."""
@@ -64,7 +87,9 @@ def demo(
 
     from ctxengine.demo import run_demo
 
-    result = asyncio.run(run_demo(keep_running=keep_running, console=Console(stderr=as_json, width=150)))
+    result = asyncio.run(
+        run_demo(keep_running=keep_running, provider=provider, model=model, console=Console(stderr=as_json, width=150))
+    )
     if as_json:
         emit(result, True, "demo")
 
@@ -104,6 +129,131 @@ def inspect(
         sys.stdout.write(json.dumps(view) + "\n")
     else:
         print_inspection(view)
+
+
+@app.command()
+def validate(
+    configs: Annotated[list[Path], typer.Argument(help="SessionOpen files (JSON or YAML).")],
+    model: Annotated[list[str], typer.Option("--model", help="Route provider/model; repeat for several.")] = [],  # noqa: B006 - typer reads the default
+    as_json: JsonFlag = False,
+) -> None:
+    """Check agent configurations against every route before deployment: exit 0 fits, 1 over a cap, 2 invalid."""
+    from ctxengine.operator_tools import offending_lines, validate_files
+
+    code, report = validate_files(configs, model)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    elif code == 2:
+        typer.echo(f"error: {report['error']}", err=True)
+    else:
+        console = Console()
+        for cfg in report["configs"]:
+            for r in cfg["routes"]:
+                table = Table(title=f"{cfg['config']} on {r['route']}: {'fits' if r['fits'] else 'OVER A CAP'}")
+                for col in ("class", "tokens", "cap", "headroom", "count"):
+                    table.add_column(col, justify="left" if col == "class" else "right")
+                for name, row in r["classes"].items():
+                    count = f"{row['count']}/{row['count_cap']}" if "count" in row else ""
+                    table.add_row(name, f"{row['tokens']:,}", f"{row['cap']:,}", f"{row['headroom']:,}", count)
+                console.print(table)
+                for w in r["warnings"]:
+                    console.print(f"[yellow]warning:[/yellow] {w}")
+        for line in offending_lines(report):
+            typer.echo(f"over cap: {line}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def replay(
+    session_id: str,
+    window: Annotated[int | None, typer.Option(help="Context window to rebuild under.")] = None,
+    output_reserve: Annotated[int | None, typer.Option("--output-reserve", help="Output reserve.")] = None,
+    budget: Annotated[Path | None, typer.Option(help="JSON/YAML file of ContextBudget overrides.")] = None,
+    model: Annotated[str | None, typer.Option(help="Route provider/model to estimate with.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Rebuild every recorded request of a session under other settings (never writes to the session)."""
+    import asyncio
+
+    import yaml
+
+    from activities.rebuild import Overrides, rebuild_session
+    from activities.tokens import TiktokenCounter
+    from ctxengine.operator_tools import ConfigError, parse_route
+    from ctxengine.services import services
+
+    changes: dict[str, Any] = {}
+    if budget is not None:
+        changes.update(yaml.safe_load(budget.read_text()) or {})
+    if window is not None:
+        changes["context_window"] = window
+    if output_reserve is not None:
+        changes["output_reserve"] = output_reserve
+    try:
+        profile = parse_route(model).profile() if model else None
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    overrides = Overrides(budget=changes, profile=profile)
+    counters: dict[str, TiktokenCounter] = {}
+
+    async def go() -> list[Any]:
+        async with services(temporal=False) as svc:
+            return await rebuild_session(
+                svc.store, session_id, lambda e: counters.setdefault(e, TiktokenCounter(e)), overrides
+            )
+
+    try:
+        rows = asyncio.run(go())
+    except LookupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    first_compaction = next((r for r in rows if r.status == "needs_compaction"), None)
+    report = {
+        "session_id": session_id,
+        "settings_changed": not overrides.empty,
+        "requests": len(rows),
+        "reproduced": sum(r.reproduced for r in rows),
+        "prefix_hashes_differ": sum(r.prefix_sha256 != r.recorded_prefix_sha256 for r in rows),
+        "needs_compaction": sum(r.status == "needs_compaction" for r in rows),
+        "errors": sum(r.status == "error" for r in rows),
+        "first_compaction_needed": (
+            {
+                "turn": first_compaction.turn,
+                "call_index": first_compaction.call_index,
+                "deficit_tokens": first_compaction.deficit_tokens,
+            }
+            if first_compaction
+            else None
+        ),
+        "turns": [r.model_dump() | {"reproduced": r.reproduced} for r in rows],
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        table = Table(title=f"replay {session_id}" + (" (changed settings)" if changes or model else ""))
+        for col in ("turn", "epoch", "status", "estimate", "recorded", "actual", "prefix", "yields"):
+            table.add_column(col)
+        for r in rows:
+            same = "same" if r.prefix_sha256 == r.recorded_prefix_sha256 else "DIFFERS"
+            table.add_row(
+                f"{r.turn}.{r.call_index}",
+                str(r.epoch),
+                r.status + (f" (-{r.deficit_tokens:,})" if r.deficit_tokens else ""),
+                f"{r.estimated_tokens or 0:,}",
+                f"{r.recorded_estimated_tokens:,}",
+                f"{r.actual_input_tokens or 0:,}",
+                same,
+                ", ".join(r.yields) or r.error or "",
+            )
+        Console().print(table)
+        fc = report["first_compaction_needed"]
+        typer.echo(
+            f"reproduced {report['reproduced']}/{len(rows)}; first compaction needed: "
+            + (f"turn {fc['turn']} ({fc['deficit_tokens']:,} tokens over)" if fc else "never")
+        )
+    if not changes and not model and report["reproduced"] != len(rows):
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

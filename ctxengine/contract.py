@@ -52,6 +52,8 @@ class ModelRoute(_Input):
             update["context_window"] = self.context_window
         if self.min_cacheable_tokens is not None:
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
+        elif self.provider == "anthropic" and "haiku" in self.model:
+            update["min_cacheable_tokens"] = 2_048  # Anthropic's published minimum for Haiku-class models
         return base.model_copy(update=update)
 
 
@@ -81,8 +83,9 @@ class SessionOpen(_Input):
     carried: SessionState | None = None
     carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
 
-    def context_budget(self) -> ContextBudget:
-        base = ContextBudget(context_window=self.model_route.profile().context_window)
+    def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
+        """The budget for a route: its window, with this session's overrides on top."""
+        base = ContextBudget(context_window=(profile or self.model_route.profile()).context_window)
         return ContextBudget.model_validate({**base.model_dump(), **self.budget})
 
 

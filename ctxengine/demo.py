@@ -14,6 +14,8 @@ from ctxengine import names
 from ctxengine.contract import RevokeTool, SessionOpen, SessionState, TurnInput, TurnResult, WriteMemory
 from ctxengine.services import services
 
+DEMO_MODELS = {"scripted": "scripted-1", "openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5"}
+
 SCRIPT: list[tuple[str, Any]] = [
     ("turn", "Hi! I'm planning a weekend in Oslo and want help."),
     ("turn", 'What will the weather be?\n/call web.fetch {"url": "fixture://weather"}'),
@@ -31,10 +33,14 @@ SCRIPT: list[tuple[str, Any]] = [
 ]
 
 
-async def run_demo(*, keep_running: bool = False, console: Console | None = None) -> dict[str, Any]:
+async def run_demo(
+    *, keep_running: bool = False, provider: str = "scripted", model: str | None = None, console: Console | None = None
+) -> dict[str, Any]:
     from worker import configure_logging, connect, running_worker
 
     console = console or Console(width=150)
+    if provider not in DEMO_MODELS:
+        raise SystemExit(f"unknown provider {provider!r}; choose one of {', '.join(DEMO_MODELS)}")
     configure_logging(level=30)  # warnings only: the demo prints its own table
     async with services() as svc:
         client = await connect(svc.temporal_address)

@@ -84,7 +84,9 @@ async def test_foreign_reference_is_refused(temporal_client: Client, pg_dsn: str
         b = await start(temporal_client, task_queue)
         await turn(a, '/call web.fetch {"url": "fixture://marker/secret"}')
         await turn(b, "hello")
-        ref = next(r["payload"]["artifact_ref"] for r in await store.load_items(a.id) if r["payload"]["kind"] == "tool_result")
+        ref = next(
+            r["payload"]["artifact_ref"] for r in await store.load_items(a.id) if r["payload"]["kind"] == "tool_result"
+        )
         content, trust = await store.resolve(a.id, ref)
         assert marker("secret") in content and trust == "EXTERNAL_UNTRUSTED"
         with pytest.raises(ForeignReferenceError):

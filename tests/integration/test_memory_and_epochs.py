@@ -9,7 +9,7 @@ from temporalio.client import Client
 
 from ctxengine import names
 from ctxengine.contract import ModelRoute, RotateEpoch, SessionState, WriteMemory
-from tests.integration.session_helpers import session_open, stack, start, turn
+from tests.integration.session_helpers import stack, start, turn
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,14 @@ def facts(*texts: str) -> str:
 async def test_formation_gates_and_untrusted_ban(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """At close, facts pass the gates in order; a fact written with untrusted content in view is never stored."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
-        await store.write_memory("default", "old", "The user lives in Bergen.", trust="USER", session_id=None,
-                                 corrects=None)
+        await store.write_memory(
+            "default", "old", "The user lives in Bergen.", trust="USER", session_id=None, corrects=None
+        )
         handle = await start(temporal_client, task_queue)
         await turn(handle, facts("The user prefers trains over planes.", "tiny", "The user lives in Bergen."))
-        await turn(handle, '/call web.fetch {"url": "fixture://injection"}\n' + facts("Trailrunner 5 is the best boot."))
+        await turn(
+            handle, '/call web.fetch {"url": "fixture://injection"}\n' + facts("Trailrunner 5 is the best boot.")
+        )
         await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
         rows = {r["text"]: r for r in await store.candidates(handle.id)}
         assert rows["The user prefers trains over planes."]["accepted"]
@@ -42,8 +45,9 @@ async def test_formation_gates_and_untrusted_ban(temporal_client: Client, pg_dsn
 async def test_correction_of_snapshot_memory(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """Correcting a snapshot memory adds a correction line in Region B; the prefix stays byte-stable."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
-        await store.write_memory("default", "home", "The user lives in Bergen.", trust="USER", session_id=None,
-                                 corrects=None)
+        await store.write_memory(
+            "default", "home", "The user lives in Bergen.", trust="USER", session_id=None, corrects=None
+        )
         handle = await start(temporal_client, task_queue)
         before = await turn(handle, "hello")
         result = await handle.execute_update(

@@ -1,0 +1,214 @@
+"""Anthropic Messages API adapter behind the provider port.
+
+Region A becomes `tools` (the pinned tool definitions, prefix order, keys sorted) and one `system` text
+block (the exact concatenated text of the platform, instruction and snapshot segments) that carries
+`cache_control: {"type": "ephemeral"}`. Anthropic's cache order is tools, then system, then messages, so
+that one breakpoint caches the whole of Region A. A second breakpoint sits on the last block of the
+append-only history (the end of the stable body), so a turn reads the previous turn's history from the
+cache too; the volatile tail (recall, working state, the clock, the current message) is after it. Two
+breakpoints of the four Anthropic allows.
+
+Region B becomes alternating messages: consecutive same-role segments are merged into one message with one
+block each (tool calls as `tool_use`, results as `tool_result` with the same id, everything else as
+`text`, each carrying its segment's text so the trust envelope stays).
+
+The SDK runs with `max_retries=0`: Temporal owns retries. See docs/providers.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
+
+from activities.openai_provider import (
+    ToolNames,
+    UnconfiguredProvider,
+    connection_error,
+    context_length_error,
+    history_breakpoint,
+    region_a,
+    region_b,
+    sorted_json,
+    status_error,
+    tool_call_of,
+)
+from activities.provider import (
+    SUMMARY_PROMPT,
+    ProviderReply,
+    ProviderRequest,
+    ProviderToolCall,
+    ProviderUsage,
+    SummaryRequest,
+)
+
+ENV_API_KEY = "ANTHROPIC_API_KEY"
+ENV_BASE_URL = "ANTHROPIC_BASE_URL"
+NOT_CONFIGURED = (
+    "provider 'anthropic' is not configured: set ANTHROPIC_API_KEY (and ANTHROPIC_BASE_URL for a proxy or gateway)"
+)
+EPHEMERAL = {"type": "ephemeral"}
+MAX_BREAKPOINTS = 4  # Anthropic's limit per request
+_TOO_LONG = re.compile(r"prompt is too long|input is too long|too many (?:input )?tokens|context window", re.I)
+
+
+def render_messages_request(
+    request: ProviderRequest, *, history_cache: bool = True
+) -> tuple[dict[str, Any], ToolNames]:
+    """The `messages.create` arguments for `request`, and the tool-name map to read the reply with.
+
+    Pure. `tools` and `system` depend on Region A alone, so they are the same bytes for every request of
+    an epoch; `history_cache=False` leaves only the Region A breakpoint.
+    """
+    system, specs = region_a(request.segments)
+    names = ToolNames(spec["name"] for spec in specs)
+    tools = [
+        sorted_json(
+            {
+                "name": names.wire(spec["name"]),
+                "description": spec.get("description", ""),
+                "input_schema": spec.get("input_schema") or {"type": "object", "properties": {}},
+            }
+        )
+        for spec in specs
+    ]
+    body = region_b(request.segments)
+    mark = history_breakpoint(body) if history_cache else None
+    messages: list[dict[str, Any]] = []
+    for index, seg in enumerate(body):
+        role = "assistant" if seg.role == "assistant" else "user"
+        block: dict[str, Any]
+        if seg.kind == "tool_call":
+            call_id, tool, arguments = tool_call_of(seg)
+            block = {"id": call_id, "input": arguments, "name": names.wire(tool), "type": "tool_use"}
+        elif seg.role == "tool" and seg.call_id:
+            block = {"content": seg.text, "tool_use_id": seg.call_id, "type": "tool_result"}
+        else:
+            block = {"text": seg.text, "type": "text"}
+        if index == mark:
+            block["cache_control"] = dict(EPHEMERAL)
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"].append(sorted_json(block))
+        else:
+            messages.append({"content": [sorted_json(block)], "role": role})
+    kwargs: dict[str, Any] = {
+        "model": request.model,
+        "max_tokens": request.max_output_tokens,
+        "messages": messages,
+    }
+    if system:
+        kwargs["system"] = [{"cache_control": dict(EPHEMERAL), "text": system, "type": "text"}]
+    if tools:
+        kwargs["tools"] = tools
+    return kwargs, names
+
+
+def count_breakpoints(kwargs: Mapping[str, Any]) -> int:
+    """How many `cache_control` markers a rendered request carries (Anthropic allows four)."""
+    blocks = [*kwargs.get("tools", []), *kwargs.get("system", [])]
+    blocks += [b for m in kwargs.get("messages", []) for b in m["content"]]
+    return sum(1 for b in blocks if "cache_control" in b)
+
+
+def read_message(message: Any, names: ToolNames) -> ProviderReply:
+    """A Message as a ProviderReply. Input is everything the request carried: uncached + written + read."""
+    texts: list[str] = []
+    calls: list[ProviderToolCall] = []
+    for block in message.content or []:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            texts.append(block.text)
+        elif kind == "tool_use":
+            arguments = block.input if isinstance(block.input, dict) else {"_unparsed": block.input}
+            calls.append(ProviderToolCall(call_id=block.id, name=names.original(block.name), arguments=arguments))
+    usage = message.usage
+    written = getattr(usage, "cache_creation_input_tokens", None) or 0
+    read = getattr(usage, "cache_read_input_tokens", None) or 0
+    return ProviderReply(
+        text="".join(texts),
+        tool_calls=calls,
+        usage=ProviderUsage(
+            input_tokens=(usage.input_tokens or 0) + written + read,
+            cached_tokens=read,
+            output_tokens=usage.output_tokens or 0,
+        ),
+    )
+
+
+class AnthropicProvider:
+    """The port over `anthropic.AsyncAnthropic` (Messages), SDK retries off."""
+
+    configured = True
+    name = "anthropic"
+
+    def __init__(self, *, api_key: str, base_url: str | None = None, timeout: float | None = None) -> None:
+        import anthropic
+
+        self._anthropic = anthropic
+        options: dict[str, Any] = {"api_key": api_key, "base_url": base_url, "max_retries": 0}
+        if timeout is not None:
+            options["timeout"] = timeout
+        self.client = anthropic.AsyncAnthropic(**options)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AnthropicProvider | UnconfiguredProvider:
+        env = os.environ if env is None else env
+        key = env.get(ENV_API_KEY)
+        if not key:
+            return UnconfiguredProvider("anthropic", NOT_CONFIGURED)
+        return cls(api_key=key, base_url=env.get(ENV_BASE_URL) or None)
+
+    async def _create(self, kwargs: dict[str, Any], request: ProviderRequest | None, model: str) -> Any:
+        anthropic = self._anthropic
+        try:
+            return await self.client.messages.create(**kwargs)
+        except anthropic.APIStatusError as exc:
+            raise self._status_error(exc, request, model) from exc
+        except anthropic.APITimeoutError as exc:
+            raise connection_error(self.name, exc, timeout=True) from exc
+        except anthropic.APIConnectionError as exc:
+            raise connection_error(self.name, exc, timeout=False) from exc
+
+    def _status_error(self, exc: Any, request: ProviderRequest | None, model: str) -> ApplicationError:
+        body = exc.body if isinstance(exc.body, Mapping) else {}
+        error = body.get("error") if isinstance(body.get("error"), Mapping) else {}
+        message = str(error.get("message") or exc.message)
+        error_type = error.get("type") or getattr(exc, "type", None)
+        if exc.status_code == 400 and error_type in (None, "invalid_request_error") and _TOO_LONG.search(message):
+            return context_length_error(
+                provider=self.name,
+                request=request,
+                model=model,
+                status=exc.status_code,
+                message=message,
+                request_id=exc.request_id,
+            )
+        return status_error(
+            provider=self.name,
+            request=request,
+            model=model,
+            status=exc.status_code,
+            message=message,
+            error_type=error_type,
+            code=getattr(exc, "error_code", None),
+            headers=exc.response.headers,
+            request_id=exc.request_id,
+        )
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        kwargs, names = render_messages_request(request)
+        message = await self._create(kwargs, request, request.model)
+        return read_message(message, names)
+
+    async def summarize(self, request: SummaryRequest) -> ProviderReply:
+        kwargs = {
+            "model": request.model,
+            "max_tokens": request.max_tokens,
+            "system": SUMMARY_PROMPT.format(max_tokens=request.max_tokens),
+            "messages": [{"content": request.text, "role": "user"}],
+        }
+        message = await self._create(kwargs, None, request.model)
+        return read_message(message, ToolNames())

@@ -1,0 +1,80 @@
+"""What one request is built from, stored with its record so the request can be rebuilt byte for byte.
+
+`RequestInputs` is everything build() needs beyond the session log, the checkpoint and the frozen prefix;
+`body_inputs()` turns it and the log into the pure builder's `BodyInputs`. The build activity and
+`ctxengine replay` / the determinism gate share this one path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, Field
+
+from core.budget import ContextBudget
+from core.build import BodyInputs
+from core.compaction import Checkpoint
+from core.estimator import ModelProfile
+from core.items import (
+    CorrectionLine,
+    CurrentUserMessage,
+    HistoryItem,
+    RecallItem,
+    TrustLevel,
+    TurnContext,
+    UserMessage,
+    WorkingStateBlock,
+)
+
+
+class StoredMemory(BaseModel):
+    memory_id: str
+    text: str
+    trust: TrustLevel
+    corrects: str | None = None
+
+
+class RequestInputs(BaseModel):
+    turn: int
+    call_index: int
+    max_seq: int  # the log as it was: items up to this seq
+    user_item_id: str | None
+    checkpoint_id: str | None
+    recall: list[StoredMemory] = Field(default_factory=list)
+    corrections: list[StoredMemory] = Field(default_factory=list)
+    working_state: str = ""
+    now_iso: str
+    profile: ModelProfile
+    budget: ContextBudget
+
+
+def body_inputs(items: Sequence[HistoryItem], checkpoint: Checkpoint | None, ri: RequestInputs) -> BodyInputs:
+    """The builder's Region B inputs for one request (pure)."""
+    log = [i for i in items if i.seq <= ri.max_seq] if items and items[-1].seq > ri.max_seq else list(items)
+    user = next((i for i in reversed(log) if i.id == ri.user_item_id), None) if ri.user_item_id else None
+    turn_start = user.seq if user is not None else (log[-1].seq + 1 if log else 0)
+    current: CurrentUserMessage | None = None
+    history = log
+    if ri.call_index == 0 and isinstance(user, UserMessage):
+        history = [i for i in log if i.seq != user.seq]
+        current = CurrentUserMessage(id=user.id, seq=user.seq, text=user.text)
+    return BodyInputs(
+        history=history,
+        checkpoint=checkpoint,
+        turn_start_seq=turn_start,
+        current=current,
+        recall=[
+            RecallItem(id=f"recall.{m.memory_id}", memory_id=m.memory_id, rank=rank, text=m.text, trust=m.trust)
+            for rank, m in enumerate(ri.recall)
+        ],
+        corrections=[
+            CorrectionLine(id=f"correction.{m.memory_id}", memory_id=m.corrects or "", text=m.text, trust=m.trust)
+            for m in ri.corrections
+        ],
+        working_state=WorkingStateBlock(id=f"working_state.{ri.turn}.{ri.call_index}", text=ri.working_state)
+        if ri.working_state
+        else None,
+        turn_context=TurnContext(
+            id=f"clock.{ri.turn}.{ri.call_index}", text=f"Current date and time (UTC): {ri.now_iso}"
+        ),
+    )

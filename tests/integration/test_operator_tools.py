@@ -1,0 +1,95 @@
+"""`ctxengine validate` and `ctxengine replay` (operator tooling), through the CLI as an operator runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from typer.testing import CliRunner
+
+from activities.tokens import TiktokenCounter
+from ctxengine.cli import app
+from ctxengine.contract import SessionOpen
+from ctxengine.operator_tools import validate_config
+from tests.integration.session_helpers import session_open, stack, start, turn
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "session_open.json"
+runner = CliRunner()
+
+
+def _instructions_measuring(tokens: int) -> str:
+    """Agent instructions whose class measures exactly `tokens` (envelope included): ' rule' is one token."""
+    counter = TiktokenCounter()
+    words = tokens
+    for _ in range(6):
+        text = "rule" + " rule" * (words - 1)
+        open_ = SessionOpen(agent_instructions=text)
+        got = validate_config(open_, open_.model_route, lambda _: counter)["classes"]["agent_instructions"]["tokens"]
+        if got == tokens:
+            return text
+        words += tokens - got
+    raise AssertionError(f"could not hit {tokens} tokens (last {got})")
+
+
+class TestValidate:
+    def test_example_fits_with_figures(self) -> None:
+        """The example configuration fits and each class reports tokens, cap and headroom."""
+        res = runner.invoke(app, ["validate", str(EXAMPLE), "--model", "anthropic/claude-sonnet-4-5", "--json"])
+        assert res.exit_code == 0, res.output
+        report = json.loads(res.stdout)
+        classes = report["configs"][0]["routes"][0]["classes"]
+        assert classes["tools"]["count"] == 4 and classes["tools"]["count_cap"] == 30
+        assert classes["agent_instructions"]["cap"] == 4_000 and classes["agent_instructions"]["headroom"] > 0
+
+    def test_oversized_instructions_exit_1_naming_class(self, tmp_path: Path) -> None:
+        """4,500 tokens of agent instructions exit 1 naming agent_instructions, 4,500 and 4,000."""
+        cfg = tmp_path / "big.json"
+        cfg.write_text(json.dumps({"agent_instructions": _instructions_measuring(4_500)}))
+        res = runner.invoke(app, ["validate", str(cfg)])
+        assert res.exit_code == 1
+        assert "agent_instructions: 4,500 tokens, cap 4,000" in res.stderr
+
+    def test_malformed_file_exits_2_naming_field(self, tmp_path: Path) -> None:
+        """A file that is not a SessionOpen exits 2 naming the field and the reason."""
+        cfg = tmp_path / "bad.yaml"
+        cfg.write_text("agent_instructions: hi\ntools:\n  - name: 'has space'\n    description: x\n")
+        res = runner.invoke(app, ["validate", str(cfg)])
+        assert res.exit_code == 2
+        assert "tools.0.name" in res.stderr
+
+    def test_short_prefix_warns_uncacheable(self, tmp_path: Path) -> None:
+        """A prefix below the route's minimum cacheable length is warned about."""
+        cfg = tmp_path / "tiny.json"
+        cfg.write_text(json.dumps({"agent_instructions": "hi", "platform_policy": "be good"}))
+        res = runner.invoke(app, ["validate", str(cfg), "--model", "anthropic/claude-haiku-4-5", "--json"])
+        assert "minimum cacheable" in json.loads(res.stdout)["configs"][0]["routes"][0]["warnings"][0]
+
+
+@pytest.mark.integration
+async def test_replay_reproduces_and_halving_needs_compaction(
+    temporal_client: Client, pg_dsn: str, task_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no changed setting replay reproduces every recorded request; with the window halved it says where
+    compaction would first be needed."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(
+            temporal_client, task_queue, session_open(budget={"context_window": 9_000, "output_reserve": 1_000})
+        )
+        for i in range(12):
+            await turn(handle, f"turn {i}: " + "words " * 150 + '\n/call web.fetch {"url": "fixture://weather"}')
+        records = await store.records(handle.id)
+    monkeypatch.setenv("CTXENGINE_DATABASE_URL", pg_dsn)
+    # The CLI runs its own event loop: invoke it from a thread, as a separate process would.
+    same = await asyncio.to_thread(runner.invoke, app, ["replay", handle.id, "--json"])
+    assert same.exit_code == 0, same.output
+    report = json.loads(same.stdout)
+    assert report["requests"] == len(records) and report["reproduced"] == len(records)
+    assert report["prefix_hashes_differ"] == 0
+    halved_run = await asyncio.to_thread(runner.invoke, app, ["replay", handle.id, "--window", "4500", "--json"])
+    halved = json.loads(halved_run.stdout)
+    assert halved["first_compaction_needed"] is not None
+    assert halved["first_compaction_needed"]["turn"] > 1
+    assert halved["prefix_hashes_differ"] == 0
