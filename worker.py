@@ -74,10 +74,16 @@ async def running_worker(
     *,
     task_queue: str = names.TASK_QUEUE,
     max_cached_workflows: int = 1_000,
+    fault_prefix_timestamp: bool | None = None,
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit."""
+    if fault_prefix_timestamp is None:
+        fault_prefix_timestamp = os.environ.get("CTXENGINE_FAULT_PREFIX_TIMESTAMP") == "1"
     activities = SessionActivities(
-        store, build_providers(), search_attributes=await search_attributes_registered(client)
+        store,
+        build_providers(),
+        search_attributes=await search_attributes_registered(client),
+        fault_prefix_timestamp=fault_prefix_timestamp,
     )
     worker = Worker(
         client,

@@ -18,6 +18,7 @@ from core.compaction import (
     escalation_checkpoint,
     plan_compaction,
 )
+from core.estimator import TokenEstimator
 from core.items import TrustLevel
 from core.working_state import WorkingStateWrite, fold
 from ctxengine import names
@@ -54,16 +55,20 @@ class CompactionActivities:
     @activity.defn(name=names.ACTIVITY_COMPACTION_PLAN)
     async def plan(self, inp: CompactionInput) -> CompactionStep:
         """Run the pure policy on the stored log and store the plan (a retry gets the stored one)."""
-        _, (cache, counter, profile) = await self._context(inp.session_id)
+        open_, (cache, counter, _) = await self._context(inp.session_id)
+        prefix, profile = await self.session._prefix(inp.session_id, inp.epoch, cache)
         items = await self.session._items(inp.session_id, cache)
         current_json = await self.store.latest_checkpoint(inp.session_id)
         current = Checkpoint.model_validate(current_json) if current_json else None
+        budget = open_.context_budget(profile)
+        body = budget.input_limit - TokenEstimator(profile, counter).prefix_tokens(prefix.raw_tokens, prefix.tool_count)
         plan = plan_compaction(
             items,
             current=current,
             keep_from_seq=inp.keep_from_seq,
             count=counter.count,
             chunk_tokens=self._chunk_tokens(profile.context_window),
+            summary_budget=max(200, body // 5),  # the summary may take a fifth of the body, never more
         )
         stored = CompactionPlan.model_validate(
             await self.store.put_compaction_plan(inp.session_id, inp.checkpoint_id, plan.model_dump(mode="json"))
@@ -115,7 +120,10 @@ class CompactionActivities:
             )
         reply = await provider.summarize(
             SummaryRequest(
-                session_id=inp.session_id, model=open_.model_route.model, text=chunk.text, max_tokens=SUMMARY_MAX_TOKENS
+                session_id=inp.session_id,
+                model=open_.model_route.model,
+                text=chunk.text,
+                max_tokens=min(SUMMARY_MAX_TOKENS, plan.summary_tokens_per_chunk),
             )
         )
         stored = await self.store.put_summary(

@@ -28,6 +28,7 @@ from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, buil
 from core.compaction import Checkpoint
 from core.errors import ContextError, PrefixOverflowError
 from core.estimator import ModelProfile, TokenEstimator, reconcile
+from core.explain import first_difference
 from core.items import (
     AssistantMessage,
     HistoryItem,
@@ -39,6 +40,7 @@ from core.items import (
     parse_history_item,
 )
 from core.plan import ContextPlan
+from core.rendering import escape_content
 from core.working_state import (
     CONTROL_TOOL_DESCRIPTION,
     CONTROL_TOOL_NAME,
@@ -93,7 +95,9 @@ class SessionActivities:
         *,
         search_attributes: bool = False,
         max_sessions_cached: int = 512,
+        fault_prefix_timestamp: bool = False,
     ) -> None:
+        self.fault_prefix_timestamp = fault_prefix_timestamp
         self.store = store
         self.providers = providers
         self.search_attributes = search_attributes
@@ -278,6 +282,8 @@ class SessionActivities:
         prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
         profile = await self._profile(profile)
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
+        if self.fault_prefix_timestamp:
+            prefix = await self._faulty_prefix(inp, open_, secret, estimator)
         plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
         inputs = ri.model_dump(mode="json")
         body = [_segment_json(s) for s in plan.segments if s.region.value == "B"]
@@ -294,17 +300,23 @@ class SessionActivities:
             plan=plan.summary().model_dump(mode="json"),
             inputs=inputs,
         )
-        if len(hashes) > 1:
-            first = hashes[0]["prefix_sha256"]
-            for row in hashes[1:]:
-                await self._event(
-                    inp.session_id,
-                    f"violation:{inp.epoch}:{row['prefix_sha256']}",
-                    EventType.PREFIX_VIOLATION,
-                    inp.turn,
-                    inp.epoch,
-                    {"expected": first, "got": row["prefix_sha256"], "first_turn": row["first_turn"]},
-                )
+        if len(hashes) > 1 and plan.prefix_sha256 != hashes[0]["prefix_sha256"]:
+            # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
+            epoch_prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
+            diff = first_difference(epoch_prefix.segments, prefix.segments)
+            await self._event(
+                inp.session_id,
+                f"violation:{inp.epoch}:{plan.prefix_sha256}",
+                EventType.PREFIX_VIOLATION,
+                inp.turn,
+                inp.epoch,
+                {
+                    "expected": epoch_prefix.sha256,
+                    "got": plan.prefix_sha256,
+                    "distinct_in_epoch": len(hashes),
+                    "first_difference": diff.model_dump() if diff else None,
+                },
+            )
         if plan.yields:
             await self._event(
                 inp.session_id,
@@ -316,6 +328,20 @@ class SessionActivities:
             )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
         return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
+
+    async def _faulty_prefix(
+        self, inp: BuildInput, open_: SessionOpen, secret: bytes, estimator: TokenEstimator
+    ) -> FrozenPrefix:
+        """Test-only fault (CTXENGINE_FAULT_PREFIX_TIMESTAMP): the bug ADR-0020 warns of, a timestamp in a header.
+
+        Re-renders the epoch's prefix with the clock appended to the platform policy, so the stability gate
+        and the cache-break explainer can be shown to catch it. Never set in production.
+        """
+        row = await self.store.get_prefix(inp.session_id, inp.epoch)
+        assert row is not None
+        inputs = PrefixInputs.model_validate(row["inputs"])
+        stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
+        return open_prefix(stamped, budget=open_.context_budget(estimator.profile), estimator=estimator, secret=secret)
 
     async def _plan(
         self,
@@ -526,10 +552,34 @@ class SessionActivities:
                 None,
             )
         out = await executor(inp.call.arguments)
-        artifact = None
-        if out.trust is TrustLevel.EXTERNAL_UNTRUSTED and len(out.content) > ARTIFACT_THRESHOLD:
-            artifact = "artifact:" + await self.store.put_artifact(inp.session_id, out.content, trust=out.trust.value)
-        return out.content, out.trust, out.is_error, artifact
+        content, artifact = out.content, None
+        limit = await self._result_limit(inp, open_)
+        count = self.counter("cl100k_base").count
+        # Measured as rendered: escaping (markup above all) can double a page's token count.
+        rendered_tokens = count(escape_content(content))
+        if rendered_tokens > limit or (
+            out.trust is TrustLevel.EXTERNAL_UNTRUSTED and len(content) > ARTIFACT_THRESHOLD
+        ):
+            artifact = "artifact:" + await self.store.put_artifact(inp.session_id, content, trust=out.trust.value)
+        if rendered_tokens > limit:
+            # An active pair never yields, so a result that could never fit is cut here, at write time: the
+            # head stays (same trust level), the whole is one reference away.
+            keep = len(content) * limit // (rendered_tokens * 2)
+            while keep > 1 and count(escape_content(content[:keep])) > limit // 2:
+                keep = keep * 3 // 4
+            content = (
+                f"{content[:keep]}\n[truncated: {rendered_tokens:,} tokens in all; the full result is at {artifact}]"
+            )
+        return content, out.trust, out.is_error, artifact
+
+    async def _result_limit(self, inp: ToolInput, open_: SessionOpen) -> int:
+        """The most one tool result may hold: the tool-results share of the body this epoch leaves."""
+        _, _, cache = await self._session(inp.session_id)
+        prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+        budget = open_.context_budget(profile)
+        estimator = TokenEstimator(profile, self.counter(profile.encoding))
+        body = budget.input_limit - estimator.prefix_tokens(prefix.raw_tokens, prefix.tool_count)
+        return max(64, budget.tool_results_cap(body))
 
     async def _update_working_state(
         self, inp: ToolInput, items: list[HistoryItem]

@@ -293,6 +293,7 @@ class _RunHistory:
     activities: int
     workflow_tasks: int
     updates: int
+    children: int
 
 
 async def _history_chain(client: Client, workflow_id: str, first_run_id: str) -> list[_RunHistory]:
@@ -313,6 +314,7 @@ async def _history_chain(client: Client, workflow_id: str, first_run_id: str) ->
                 activities=kinds.count(EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED),
                 workflow_tasks=kinds.count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED),
                 updates=kinds.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED),
+                children=kinds.count(EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED),
             )
         )
         last = events[-1] if events else None
@@ -624,6 +626,7 @@ async def _measure(
                 ratios["floor_long_session_growth_ratio"] = _ratio(floor_last, floor_first)
             out["floor_long_session_runs"] = len(control_runs)
             out["long_session_runs"] = len(runs)
+            out["long_session_child_workflows"] = sum(r.children for r in runs)  # compactions, escalations
             out["max_history_events_per_run"] = max(r.events for r in runs)
             out["max_history_bytes_per_run"] = max(r.bytes for r in runs)
             out["max_history_event_bytes"] = max(r.largest_event_bytes for r in runs)

@@ -48,8 +48,8 @@ from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
 from core.rendering import FRAMING_TEXT, derive_nonce, render_envelope
 from core.validation import PairState, validate_pairs
 
-FRAMING_ID = "platform.framing"
-POLICY_ID = "platform.policy"
+FRAMING_ID = "platform.2.framing"
+POLICY_ID = "platform.1.policy"
 
 
 class PrefixInputs(BaseModel):

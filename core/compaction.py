@@ -25,6 +25,7 @@ from core.items import (
 )
 
 MAX_SUMMARY_DEPTH = 2
+MAX_ESCALATION_POINTERS = 20
 # Trust levels whose text a summarizer may read. Anything else is elided to a pointer.
 SUMMARIZABLE = frozenset({TrustLevel.PLATFORM, TrustLevel.OPERATOR, TrustLevel.USER, TrustLevel.MODEL, TrustLevel.TOOL})
 
@@ -72,6 +73,7 @@ class CompactionPlan(BaseModel):
     chunks: list[SummaryChunk] = Field(default_factory=list)
     pointers: list[ElidedSpan] = Field(default_factory=list)
     previous_summary: str | None = None
+    summary_tokens_per_chunk: int = 300
     reason: str = ""
 
 
@@ -108,6 +110,8 @@ def escalation_checkpoint(
             pointers.append(_elide(item, count))
         elif isinstance(item, ElidedSpan):
             pointers.append(item)
+    # A fresh body stays small: the newest pointers only; older ones stay listed in the ancestors.
+    pointers = pointers[-MAX_ESCALATION_POINTERS:]
     refs = ", ".join(f"checkpoint:{a}" for a in ancestors)
     tail = f"; items {span[0].seq}..{span[-1].seq} by item:ID" if span else ""
     summary = (
@@ -177,12 +181,14 @@ def plan_compaction(
     keep_from_seq: int,
     count: Callable[[str], int],
     chunk_tokens: int,
+    summary_budget: int = 1_500,
 ) -> CompactionPlan:
     """Choose the span to compact: all history after the current checkpoint and before `keep_from_seq`.
 
     `keep_from_seq` is where the kept tail starts (the active turn at least). Trusted items are chunked for
     the summarizer, each chunk at most `chunk_tokens` (a single larger item is cut, never dropped); untrusted
-    items (and results of untrusted tools) become pointers. Past depth 2 the decision is ESCALATE.
+    items (and results of untrusted tools) become pointers. Past depth 2 the decision is ESCALATE. The whole
+    summary (the parent's plus this span's) is held to `summary_budget` tokens, shared out over the chunks.
     """
     depth = (current.depth + 1) if current else 1
     parent = current.checkpoint_id if current else None
@@ -237,8 +243,11 @@ def plan_compaction(
             buf_text.append(piece)
             buf_tokens += tokens
     flush()
+    previous = count(current.summary) if current else 0
+    per_chunk = max(40, (summary_budget - previous) // max(1, len(chunks)))
     return CompactionPlan(
         decision=CompactionDecision.COMPACT,
+        summary_tokens_per_chunk=per_chunk,
         depth=depth,
         parent_id=parent,
         covers_from_seq=current.covers_from_seq if current else span[0].seq,

@@ -132,6 +132,39 @@ def inspect(
 
 
 @app.command()
+def gate(
+    name: Annotated[str, typer.Argument(help="stability, trust, budget, pairs, determinism, compaction, or all.")],
+    as_json: JsonFlag = False,
+    inject_prefix_timestamp: Annotated[
+        bool, typer.Option("--inject-prefix-timestamp", hidden=True, help="Test-only fault: a clock in the prefix.")
+    ] = False,
+) -> None:
+    """Run a hard gate on the live stack (embedded services unless TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL)."""
+    import asyncio
+
+    from ctxengine.gates import ALL, GATES, run_gate, run_gates
+
+    if name != "all" and name not in GATES:
+        typer.echo(f"error: unknown gate {name!r}; choose from {', '.join([*GATES, 'all'])}", err=True)
+        raise typer.Exit(2)
+    if name == "all":
+        result = asyncio.run(run_gates(list(ALL), fault_prefix_timestamp=inject_prefix_timestamp))
+    else:
+        result = asyncio.run(run_gate(name, fault_prefix_timestamp=inject_prefix_timestamp))
+    if as_json:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+    else:
+        rows = result["gates"] if name == "all" else {name: result}
+        for gate_name, figures in rows.items():
+            emit(
+                {k: v for k, v in figures.items() if not isinstance(v, dict | list)},
+                False,
+                f"gate {gate_name}: {'PASS' if figures['passed'] else 'FAIL'}",
+            )
+    raise typer.Exit(0 if result["passed"] else 1)
+
+
+@app.command()
 def validate(
     configs: Annotated[list[Path], typer.Argument(help="SessionOpen files (JSON or YAML).")],
     model: Annotated[list[str], typer.Option("--model", help="Route provider/model; repeat for several.")] = [],  # noqa: B006 - typer reads the default

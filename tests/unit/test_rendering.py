@@ -23,11 +23,7 @@ from core.rendering import (
     render_envelope,
     unescape_content,
 )
-
-try:  # tests/ as a package (rootdir on sys.path) or as a plain directory (pytest's rootdir-less import)
-    from tests.unit.attack_corpus import ATTACKS, REAL_NONCE
-except ImportError:  # pragma: no cover - depends on how pytest was started
-    from attack_corpus import ATTACKS, REAL_NONCE  # type: ignore[import-not-found,no-redef,unused-ignore]
+from ctxengine.attack_corpus import ATTACKS, REAL_NONCE
 
 SECRET = b"per-session-secret-for-tests"
 NONCE = derive_nonce(SECRET, "item-under-test")

@@ -1,0 +1,50 @@
+"""The cache-break explainer: where two renderings of a prefix first differ (ADR-0020 decision 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from core.plan import Segment
+
+EXCERPT = 40
+
+
+class PrefixDifference(BaseModel):
+    segment_index: int
+    item_id: str
+    budget_class: str
+    byte_offset: int  # from the start of the prefix, in UTF-8 bytes
+    offset_in_segment: int
+    expected: str  # bytes around the difference, decoded for reading
+    actual: str
+
+
+def first_difference(expected: Sequence[Segment], actual: Sequence[Segment]) -> PrefixDifference | None:
+    """The first segment, and the byte in it, where `actual` departs from `expected`; None if identical."""
+    offset = 0
+    for index in range(max(len(expected), len(actual))):
+        a = expected[index] if index < len(expected) else None
+        b = actual[index] if index < len(actual) else None
+        ab = a.text.encode("utf-8", "surrogatepass") if a else b""
+        bb = b.text.encode("utf-8", "surrogatepass") if b else b""
+        if a is not None and b is not None and a.item_id == b.item_id and ab == bb:
+            offset += len(ab)
+            continue
+        k = 0
+        while k < min(len(ab), len(bb)) and ab[k] == bb[k]:
+            k += 1
+        seg = b or a
+        assert seg is not None
+        lo = max(0, k - EXCERPT // 2)
+        return PrefixDifference(
+            segment_index=index,
+            item_id=seg.item_id,
+            budget_class=seg.budget_class.value,
+            byte_offset=offset + k,
+            offset_in_segment=k,
+            expected=ab[lo : k + EXCERPT].decode("utf-8", "replace"),
+            actual=bb[lo : k + EXCERPT].decode("utf-8", "replace"),
+        )
+    return None
