@@ -16,6 +16,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import structlog
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import (
+    LogForwardingConfig,
+    LoggingConfig,
+    PrometheusConfig,
+    Runtime,
+    TelemetryConfig,
+    TelemetryFilter,
+)
 from temporalio.worker import Worker
 
 from activities.compaction import CompactionActivities
@@ -43,6 +51,22 @@ def configure_logging(level: int = logging.INFO) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def install_runtime(metrics_address: str | None = None) -> Runtime:
+    """The process's Temporal runtime: core logs forwarded to Python logging (stderr, never stdout), and when
+    `metrics_address` is given one Prometheus endpoint for the SDK's metrics and ctxengine's."""
+    runtime = Runtime(
+        telemetry=TelemetryConfig(
+            logging=LoggingConfig(
+                filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+                forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")),
+            ),
+            metrics=PrometheusConfig(bind_address=metrics_address) if metrics_address else None,
+        )
+    )
+    Runtime.set_default(runtime, error_if_already_set=False)
+    return runtime
 
 
 async def connect(address: str, namespace: str | None = None) -> Client:
@@ -101,6 +125,12 @@ async def main() -> None:
 
     configure_logging()
     log = structlog.get_logger("ctxengine.worker")
+    metrics = os.environ.get("CTXENGINE_METRICS_ADDRESS", "")
+    if not metrics:  # the default port, or a free one when another worker on this host holds it
+        from ctxengine.embedded import free_port, port_is_free
+
+        metrics = f"127.0.0.1:{9464 if port_is_free(9464) else free_port()}"
+    install_runtime(None if metrics == "off" else metrics)
     async with AsyncExitStack() as stack:
         home = ctxengine_home()
         address = await stack.enter_async_context(temporal_dev_server(home))
@@ -111,6 +141,7 @@ async def main() -> None:
         task_queue = os.environ.get("CTXENGINE_TASK_QUEUE", names.TASK_QUEUE)
         log.info(
             "worker.starting",
+            metrics=None if metrics == "off" else f"http://{metrics}/metrics",
             temporal=address,
             task_queue=task_queue,
             schema_version=version,

@@ -20,6 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
+from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import Store
 from activities.tokens import TiktokenCounter
@@ -155,6 +156,7 @@ class SessionActivities:
     ) -> None:
         if await self.store.add_event(session_id, key, type_.value, turn=turn, epoch=epoch, payload=payload):
             log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
+            record_event(type_, payload)
 
     def _working_state(self, writes: list[dict[str, Any]], count: Any, upto_turn: int) -> WorkingState:
         return fold([WorkingStateWrite.model_validate(w) for w in writes], count=count, upto_turn=upto_turn)
@@ -243,13 +245,15 @@ class SessionActivities:
         stored = await self.store.get_prefix(inp.session_id, inp.epoch)
         assert stored is not None
         prefix = FrozenPrefix.model_validate(stored["prefix"])
-        log.info(
-            "session.opened",
-            session_id=inp.session_id,
-            epoch=inp.epoch,
-            prefix_sha256=prefix.sha256,
-            tokens=prefix.class_tokens,
-        )
+        if inp.epoch == 1:
+            await self._event(
+                inp.session_id,
+                "opened",
+                EventType.SESSION_OPENED,
+                0,
+                1,
+                {"prefix_sha256": prefix.sha256, "tokens_by_class": prefix.class_tokens},
+            )
         return OpenResult(
             epoch=inp.epoch,
             prefix_sha256=prefix.sha256,
@@ -473,7 +477,14 @@ class SessionActivities:
             EventType.ESTIMATOR_RECONCILED,
             inp.turn,
             inp.epoch,
-            rec.model_dump(mode="json"),
+            {
+                **rec.model_dump(mode="json"),
+                "cached_tokens": record["cached_tokens"] or 0,
+                # the first request of an epoch writes the cache; later ones reuse the whole prefix
+                "prefix_tokens_reused": 0
+                if (inp.turn, inp.call_index) == (1, 0)
+                else min(record["plan"]["prefix_tokens"], actual),
+            },
         )
         return _model_result(
             logged,

@@ -235,15 +235,16 @@ def make_script(
     at = start
     written: list[str] = []
     tools, weights = zip(*_TOOL_MIX, strict=True)
+    snapshot = {m.memory_id for m in prefix.memory_snapshot}
     for t in range(1, turns + 1):
         if t in revoke:
             events.append(Revoke(revoke[t]))
         if t in remember:
             memory = remember[t]
             events.append(memory)
-            if memory.corrects in written:
-                written.remove(memory.corrects)
-            if not memory.memory_id.startswith("m"):  # snapshot ids start with m: corrections of those
+            if memory.corrects not in snapshot:  # a written memory (or its correction) is what recall finds
+                if memory.corrects in written:
+                    written.remove(memory.corrects)
                 written.append(memory.memory_id)
         at += timedelta(minutes=rng.randint(2, 5), seconds=rng.randint(0, 59))
         uses: list[ToolUse] = []
@@ -572,10 +573,19 @@ class SummarizeAll(Assembler):
         while True:
             history = [h for h in self.history_of(view) if h.seq > self.covered]
             body = ([self.seg(self.summary)] if self.summary else []) + [self.seg(h) for h in history] + tail
-            if self.estimate(self.prefix.raw_tokens, self.prefix.tool_count, body) <= self.budget.input_limit:
+            if self._fits(body):
                 return self.prefix.segments + body
-            kept = _drop_oldest_turn(history, view.user.seq)
-            self.fold(view, kept[0].seq if kept else view.user.seq)
+            # Over budget: drop the oldest turns until the rest fits beside a full-size summary, then rewrite
+            # the summary once over everything dropped (one summarizer call per compaction).
+            while True:
+                history = _drop_oldest_turn(history, view.user.seq)
+                if self._fits([self.seg(h) for h in history] + tail, room=SUMMARIZE_ALL_SUMMARY_TOKENS):
+                    break
+            self.fold(view, history[0].seq)
+
+    def _fits(self, body: list[Segment], room: int = 0) -> bool:
+        estimate = self.estimate(self.prefix.raw_tokens + room, self.prefix.tool_count, body)
+        return estimate <= self.budget.input_limit
 
 
 def _drop_oldest_turn(history: list[HistoryItem], active_seq: int) -> list[HistoryItem]:
@@ -797,7 +807,9 @@ def replay(script: Script, progress: bool = False) -> dict[str, Meter]:
     estimator = TokenEstimator(profile, counter)
     budget = ContextBudget(context_window=script.context_window)
     prefix = open_prefix(script.prefix, budget=budget, estimator=estimator, secret=SECRET)
-    meters = {cls.name: Meter(cls(prefix, budget, estimator), counter) for cls in (CtxEngine, Naive, SummarizeAll)}
+    meters = {
+        cls.name: Meter(cls(prefix, budget, estimator), counter.count) for cls in (CtxEngine, Naive, SummarizeAll)
+    }
     memories = {m.memory_id: m.text for m in script.prefix.memory_snapshot}
     written: dict[str, str] = {}
     corrections: list[CorrectionLine] = []
@@ -812,13 +824,15 @@ def replay(script: Script, progress: bool = False) -> dict[str, Meter]:
             revoked.add(event.tool)
             continue
         if isinstance(event, Remember):
-            if event.corrects in memories:  # a snapshot memory: shown as a correction line, the prefix stays
+            if event.corrects is not None and event.corrects in memories:
+                # A snapshot memory: ctxengine shows a correction line (the prefix stays frozen); a naive
+                # assembler reloads the corrected text into its system prompt.
                 corrections.append(
                     CorrectionLine(id=f"correction.{event.memory_id}", memory_id=event.corrects, text=event.text)
                 )
                 memories[event.corrects] = event.text
-            written.pop(event.corrects or "", None)
-            if event.corrects not in memories or event.corrects is None:
+            else:
+                written.pop(event.corrects or "", None)
                 written[event.memory_id] = event.text
             continue
         turn += 1

@@ -23,9 +23,11 @@ def _setup(ctx: typer.Context) -> None:
     """Logs go to stderr as JSON lines (stdout is for results); the worker logs at info, the rest at warning."""
     import logging
 
-    from worker import configure_logging
+    from worker import configure_logging, install_runtime
 
     configure_logging(logging.INFO if ctx.invoked_subcommand == "worker" else logging.WARNING)
+    if ctx.invoked_subcommand != "worker":  # the worker installs its own, with the metrics endpoint
+        install_runtime()
 
 
 def emit(result: dict[str, Any], as_json: bool, title: str) -> None:

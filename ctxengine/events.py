@@ -12,3 +12,4 @@ class EventType(StrEnum):
     SESSION_OPEN_FAILED = "context.session.open_failed"
     ESTIMATOR_RECONCILED = "context.estimator.reconciled"
     WORKING_STATE_REJECTED = "context.working_state.rejected"
+    SESSION_OPENED = "context.session.opened"

@@ -34,7 +34,17 @@ _TAIL_CHARS = 3_000
 class WorkerProcess:
     """One `python worker.py` child: `await start(client)`, `kill()` (SIGKILL), `log_tail()`."""
 
-    def __init__(self, *, temporal_address: str, dsn: str, task_queue: str, home: Path, name: str = "worker") -> None:
+    def __init__(
+        self,
+        *,
+        temporal_address: str,
+        dsn: str,
+        task_queue: str,
+        home: Path,
+        name: str = "worker",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.extra_env = extra_env or {}
         self.temporal_address = temporal_address
         self.dsn = dsn
         self.task_queue = task_queue
@@ -68,6 +78,7 @@ class WorkerProcess:
             "CTXENGINE_TASK_QUEUE": self.task_queue,
             "CTXENGINE_HOME": str(self.home),
             "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
         }
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
