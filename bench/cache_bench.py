@@ -713,34 +713,38 @@ class AnthropicCache:
 
     def send(self, kwargs: dict[str, Any]) -> None:
         blocks: list[str] = []
+        content = [0]  # content blocks (not role markers) up to each depth: the lookback counts those
         marks: list[int] = []  # depth (blocks included) at each breakpoint
+
+        def add(text: str, block: dict[str, Any] | None, *, is_content: bool = True) -> None:
+            blocks.append(text)
+            content.append(content[-1] + is_content)
+            if block is not None and "cache_control" in block:
+                marks.append(len(blocks))
+
         for tool in kwargs.get("tools", []):
-            blocks.append(json.dumps(tool, sort_keys=True))
-            if "cache_control" in tool:
-                marks.append(len(blocks))
+            add(json.dumps(_without_cache_control(tool), sort_keys=True), tool)
         for block in kwargs.get("system", []):
-            blocks.append(block["text"])
-            if "cache_control" in block:
-                marks.append(len(blocks))
+            add(block["text"], block)
         for m in kwargs["messages"]:
-            blocks.append(m["role"])
+            add(m["role"], None, is_content=False)
             for block in m["content"]:
                 if block["type"] == "text":
-                    blocks.append(block["text"])
+                    add(block["text"], block)
                 elif block["type"] == "tool_result":
-                    blocks.append(block["tool_use_id"] + block["content"])
+                    add(block["tool_use_id"] + block["content"], block)
                 else:
-                    blocks.append(json.dumps(block, sort_keys=True))
-                if "cache_control" in block:
-                    marks.append(len(blocks))
+                    add(json.dumps(_without_cache_control(block), sort_keys=True), block)
         path, matched, _ = self.trie.add(blocks)
         total = path[-1].tokens
         read = 0
         for depth in marks:
-            for back in range(min(depth, matched), max(0, depth - ANTHROPIC_LOOKBACK_BLOCKS) - 1, -1):
+            back = min(depth, matched)
+            while back > 0 and content[depth] - content[back] <= ANTHROPIC_LOOKBACK_BLOCKS:
                 if path[back].written:
                     read = max(read, path[back].tokens)
                     break
+                back -= 1
         cacheable = [d for d in marks if path[d].tokens >= ANTHROPIC_MIN_CACHEABLE]
         written = 0
         if cacheable and path[cacheable[-1]].tokens > read:
@@ -752,6 +756,11 @@ class AnthropicCache:
             (total - read - written) * price["input"] + written * price["cache_write"] + read * price["cache_read"]
         ) / 1e6
         self.bill.add(total, read, written, cost)
+
+
+def _without_cache_control(block: dict[str, Any]) -> dict[str, Any]:
+    """A breakpoint marks where to cache; it is not part of the content the prefix is keyed by."""
+    return {k: v for k, v in block.items() if k != "cache_control"}
 
 
 class Meter:
