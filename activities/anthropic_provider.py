@@ -5,8 +5,9 @@ block (the exact concatenated text of the platform, instruction and snapshot seg
 `cache_control: {"type": "ephemeral"}`. Anthropic's cache order is tools, then system, then messages, so
 that one breakpoint caches the whole of Region A. A second breakpoint sits on the last block of the
 append-only history (the end of the stable body), so a turn reads the previous turn's history from the
-cache too; the volatile tail (recall, working state, the clock, the current message) is after it. Two
-breakpoints of the four Anthropic allows.
+cache too; the volatile tail (recall, working state, the clock, the current message) is after it. A third
+sits just before the first full tool result, the point up to which a tool-result yield cannot change the
+body (see `cache_breakpoints`). Three breakpoints of the four Anthropic allows.
 
 Region B becomes alternating messages: consecutive same-role segments are merged into one message with one
 block each (tool calls as `tool_use`, results as `tool_result` with the same id, everything else as
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from temporalio.exceptions import ApplicationError
@@ -40,6 +41,7 @@ from activities.provider import (
     SUMMARY_PROMPT,
     ProviderReply,
     ProviderRequest,
+    ProviderSegment,
     ProviderToolCall,
     ProviderUsage,
     SummaryRequest,
@@ -61,7 +63,8 @@ def render_messages_request(
     """The `messages.create` arguments for `request`, and the tool-name map to read the reply with.
 
     Pure. `tools` and `system` depend on Region A alone, so they are the same bytes for every request of
-    an epoch; `history_cache=False` leaves only the Region A breakpoint.
+    an epoch; `history_cache=False` leaves only the Region A breakpoint (the cache bench uses it to model
+    assemblers that mark their system prompt only).
     """
     system, specs = region_a(request.segments)
     names = ToolNames(spec["name"] for spec in specs)
@@ -76,7 +79,7 @@ def render_messages_request(
         for spec in specs
     ]
     body = region_b(request.segments)
-    mark = history_breakpoint(body) if history_cache else None
+    marks = cache_breakpoints(body) if history_cache else set()
     messages: list[dict[str, Any]] = []
     for index, seg in enumerate(body):
         role = "assistant" if seg.role == "assistant" else "user"
@@ -88,7 +91,7 @@ def render_messages_request(
             block = {"content": seg.text, "tool_use_id": seg.call_id, "type": "tool_result"}
         else:
             block = {"text": seg.text, "type": "text"}
-        if index == mark:
+        if index in marks:
             block["cache_control"] = dict(EPHEMERAL)
         if messages and messages[-1]["role"] == role:
             messages[-1]["content"].append(sorted_json(block))
@@ -104,6 +107,26 @@ def render_messages_request(
     if tools:
         kwargs["tools"] = tools
     return kwargs, names
+
+
+def cache_breakpoints(body: Sequence[ProviderSegment]) -> set[int]:
+    """Indexes (in the Region B segments) of the blocks that get a breakpoint besides the system block.
+
+    - The last segment of the append-only history: the next request extends it, so it reads all of it.
+    - The segment just before the first full `tool_result`: yield 2 turns tool results into pointers
+      oldest first (core/build.py), so everything before the first full result stays byte-identical until
+      the next compaction, while a conversion rewrites what follows. A read then stops there, not at the
+      end of Region A (Anthropic finds an entry only at a breakpoint or up to 20 blocks before one).
+    """
+    marks: set[int] = set()
+    end = history_breakpoint(body)
+    if end is None:
+        return marks
+    marks.add(end)
+    first_result = next((i for i, s in enumerate(body) if s.kind == "tool_result"), None)
+    if first_result is not None and 0 < first_result <= end:
+        marks.add(first_result - 1)
+    return marks
 
 
 def count_breakpoints(kwargs: Mapping[str, Any]) -> int:

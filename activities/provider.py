@@ -164,7 +164,13 @@ class ScriptedProvider:
         )
 
     async def summarize(self, request: SummaryRequest) -> ProviderReply:
-        """Extractive and deterministic: the first words of each line, within the token limit."""
+        """Extractive and deterministic: the first words of each line, within the token limit.
+
+        A `/sleep SECONDS` line in the summarized text makes it take that long (crash tests of compaction).
+        """
+        delay = _SLEEP.search(request.text)
+        if delay:
+            await asyncio.sleep(min(float(delay.group(1)), MAX_SCRIPTED_SLEEP))
         lines = [" ".join(line.split()[:12]) for line in request.text.splitlines() if line.strip()]
         summary = f"Summary of {len(lines)} earlier lines: " + " | ".join(lines)
         while self.counter.count(summary) > request.max_tokens and len(summary) > 40:

@@ -168,6 +168,9 @@ class Session:
     clock: datetime = datetime(2026, 11, 30, 23, 55, tzinfo=UTC)
     cache: RenderCache = field(default_factory=lambda: RenderCache(SECRET))
     sent: list[Sent] = field(default_factory=list)
+    budget: ContextBudget = BUDGET
+    fetched: str = INJECTION  # what web.fetch returns
+    yields: list[int] = field(default_factory=list)  # pointers per request
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -203,7 +206,8 @@ class Session:
                 text=f"Current date and time (UTC): {self.clock.isoformat(timespec='seconds')}",
             ),
         )
-        plan = build(PREFIX, body, budget=BUDGET, estimator=ESTIMATOR, secret=SECRET, cache=self.cache)
+        plan = build(PREFIX, body, budget=self.budget, estimator=ESTIMATOR, secret=SECRET, cache=self.cache)
+        self.yields.append(sum(1 for s in plan.segments if s.kind == "elided_span"))
         return EstimatedRequest(
             session_id=SESSION,
             epoch=plan.epoch,
@@ -248,7 +252,7 @@ class Session:
                         seq=self._next_seq(),
                         call_id=call.call_id,
                         tool_name=call.name,
-                        content=INJECTION if untrusted else "saved",
+                        content=self.fetched if untrusted else "saved",
                         trust=TrustLevel.EXTERNAL_UNTRUSTED if untrusted else TrustLevel.TOOL,
                     )
                 )
@@ -415,22 +419,50 @@ class TestAnthropicWire:
         assert_sorted_keys(first["tools"])
         assert all(r.path == "/v1/messages" for r in anthropic_srv.requests)
 
-    async def test_history_breakpoint_on_last_stable_block(self, anthropic_srv: FakeServer) -> None:
-        """At most four breakpoints: the system block and the last block of the append-only history."""
+    async def test_breakpoints_end_the_history_and_precede_the_first_full_result(
+        self, anthropic_srv: FakeServer
+    ) -> None:
+        """At most four breakpoints: system, the last history block, the block before the first full result."""
         session = Session(anthropic_provider(anthropic_srv), "anthropic")
         await drive(session, anthropic_tool_call(anthropic_srv))
+        counts = []
         for sent, received in zip(session.sent, anthropic_srv.requests, strict=True):
             body = received.body
-            assert count_breakpoints(body) <= MAX_BREAKPOINTS
             body_segments = [s for s in sent.request.segments if s.region == "B"]
-            marked = [i for i, b in enumerate(blocks(body)) if "cache_control" in b]
+            marked = [i for i, b in enumerate(blocks(body)) if "cache_control" in b]  # one block per segment
             history = [i for i, s in enumerate(body_segments) if s.kind in HISTORY_KINDS]
+            results = [i for i, s in enumerate(body_segments) if s.kind == "tool_result"]
+            expected = ({history[-1]} if history else set()) | ({results[0] - 1} if results else set())
+            assert marked == sorted(expected)
             if history:
-                assert marked == [history[-1]]  # one block per segment, so indexes line up
                 assert all(s.kind in VOLATILE for s in body_segments[history[-1] + 1 :])
-            else:
-                assert marked == []
-            assert count_breakpoints(body) == 1 + len(marked)
+            counts.append(count_breakpoints(body))
+            assert counts[-1] == 1 + len(marked) <= MAX_BREAKPOINTS
+        assert counts[0] == 1 and max(counts) == 3
+
+    async def test_a_pointer_conversion_keeps_the_bytes_before_the_frontier(self, anthropic_srv: FakeServer) -> None:
+        """When yield 2 turns the oldest result into a pointer, every block before the old frontier is unchanged."""
+        session = Session(
+            anthropic_provider(anthropic_srv),
+            "anthropic",
+            budget=ContextBudget(tool_results_share=0.001),  # room for about one result
+            fetched=INJECTION + " filler" * 150,
+        )
+        queue = anthropic_tool_call(anthropic_srv)
+        for n in range(3):
+            queue(f"call_fetch_{n}", "web__fetch", {"url": f"https://example.com/{n}"})
+            await session.turn_(f"Fetch page {n}.")
+        converted = next(i for i, n in enumerate(session.yields) if n > 0)
+        before = blocks(anthropic_srv.requests[converted - 1].body)
+        after = blocks(anthropic_srv.requests[converted].body)
+        frontier = next(i for i, b in enumerate(before) if b["type"] == "tool_result") - 1
+        assert "cache_control" in before[frontier]
+
+        def content(b: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in b.items() if k != "cache_control"}
+
+        assert [content(b) for b in after[: frontier + 1]] == [content(b) for b in before[: frontier + 1]]
+        assert after[frontier + 1]["type"] == "tool_result" and "elided" in after[frontier + 1]["content"]
 
     async def test_roles_alternate_and_tool_pairs_stay_whole(self, anthropic_srv: FakeServer) -> None:
         """Same-role segments merge into one message; tool_use ids are answered by tool_result blocks first."""

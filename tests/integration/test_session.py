@@ -124,3 +124,40 @@ async def test_continue_as_new_carries_state(temporal_client: Client, pg_dsn: st
 
 def first_run_id(handle) -> str:  # type: ignore[no-untyped-def]
     return handle.first_execution_run_id or handle.result_run_id or ""
+
+
+async def test_unknown_session_and_oversized_input(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """An unknown session id and an oversized message are refused with clear errors; nothing stored changes."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        with pytest.raises(RPCError, match="not found"):
+            await temporal_client.get_workflow_handle("no-such-session").execute_update(
+                names.UPDATE_SUBMIT_TURN, {"text": "hello"}
+            )
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "first")
+        before = [r["payload"]["id"] for r in await store.load_items(handle.id)]
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(names.UPDATE_SUBMIT_TURN, {"text": "x" * 100_001})
+        assert "at most 100000 characters" in str(info.value.cause.__cause__ or info.value.cause)
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(names.UPDATE_SUBMIT_TURN, {"txt": "typo"})
+        assert "text" in str(info.value.cause.__cause__ or info.value.cause)
+        assert [r["payload"]["id"] for r in await store.load_items(handle.id)] == before
+        assert (await turn(handle, "still usable")).turn == 2
+
+
+async def test_inspect_shows_the_window(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """`inspect` shows regions, classes against caps, trust of each segment, yields and usage for a turn."""
+    from ctxengine.inspection import inspect_session
+
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, '/call web.fetch {"url": "fixture://injection"}')
+        await turn(handle, "thanks")
+        view = await inspect_session(store, handle.id, turn=1)
+        assert view["turn"] == 1 and view["call_index"] == 1
+        assert {s["region"] for s in view["segments"]} == {"A", "B"}
+        assert any(s["trust"] == "EXTERNAL_UNTRUSTED" for s in view["segments"])
+        assert view["caps"]["agent_instructions"] == 4_000 and view["actual_input_tokens"] > 0
+        last = await inspect_session(store, handle.id)
+        assert last["turn"] == 2 and last["distinct_prefix_hashes_in_epoch"] == 1
