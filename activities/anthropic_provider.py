@@ -197,7 +197,8 @@ class AnthropicProvider:
 
     def _status_error(self, exc: Any, request: ProviderRequest | None, model: str) -> ApplicationError:
         body = exc.body if isinstance(exc.body, Mapping) else {}
-        error = body.get("error") if isinstance(body.get("error"), Mapping) else {}
+        raw_error = body.get("error")
+        error: Mapping[str, Any] = raw_error if isinstance(raw_error, Mapping) else {}
         message = str(error.get("message") or exc.message)
         error_type = error.get("type") or getattr(exc, "type", None)
         if exc.status_code == 400 and error_type in (None, "invalid_request_error") and _TOO_LONG.search(message):

@@ -436,6 +436,7 @@ class SessionActivities:
             tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
             usage_ratio=open_.model_route.scripted_usage_ratio,
             estimated_tokens=record["estimated_tokens"],
+            max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
         reply = await _heartbeating(provider.complete(request))
         # Usage first (the first attempt's figures win), then the reply's items, all or none of them.

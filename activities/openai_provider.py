@@ -256,7 +256,7 @@ def context_length_error(
 ) -> ApplicationError:
     """Non-retryable `ContextLengthExceeded`: the provider counted more than the model takes, although the
     estimator let the request through. The message and details carry that estimate, to fix the profile."""
-    estimated = getattr(request, "estimated_tokens", None) if request is not None else None
+    estimated = request.estimated_tokens if request is not None else None
     numbers: dict[str, int] = {}
     for pattern in _LIMIT_PATTERNS:
         match = pattern.search(message)

@@ -90,7 +90,10 @@ SEED = 20_260
 GATE_TURNS = 50
 LONG_TURNS = 200
 GATE_WINDOW = 128_000  # gpt-4o-class
-LONG_WINDOW = 128_000
+# The 200-turn session runs under an 80k-token context budget (a `budget.context_window` override below the
+# model's window), so that its history outgrows the budget and ctxengine compacts twice, as the issue's
+# scenario asks; the figures report how many compactions each assembler actually ran.
+LONG_WINDOW = 80_000
 SUMMARY_TOKENS = 300  # per summarizer call, as activities/compaction.py
 SUMMARIZE_ALL_SUMMARY_TOKENS = 600  # the one rewritten summary message
 SUMMARY_PROMPT_TOKENS = 50
@@ -161,11 +164,17 @@ _BENCH_TOOLS = {
     "notes.save": ("Save a note for the user.", {"text": "string"}),
 }
 # (tool, weight): what a tool-using turn calls.
-_TOOL_MIX = (("web.fetch", 35), ("web.search", 25), ("files.read", 15), ("calendar.list", 15), ("notes.save", 10))
+_TOOL_MIX: tuple[tuple[str, int], ...] = (
+    ("web.fetch", 35),
+    ("web.search", 25),
+    ("files.read", 15),
+    ("calendar.list", 15),
+    ("notes.save", 10),
+)
 
 
 def _prefix_inputs(gen: TextGen) -> PrefixInputs:
-    """Region A of about 10k tokens: build_bench's policy, instructions and snapshot, 20 of its tools, the
+    """Region A of about 11k tokens: build_bench's policy, instructions and snapshot, 20 of its tools, the
     five tools the script calls and the working-state control tool."""
     base = region_a(gen)
     tools = list(base.tools[:20])
@@ -234,7 +243,8 @@ def make_script(
     events: list[Event] = []
     at = start
     written: list[str] = []
-    tools, weights = zip(*_TOOL_MIX, strict=True)
+    tools = [name for name, _ in _TOOL_MIX]
+    weights = [weight for _, weight in _TOOL_MIX]
     snapshot = {m.memory_id for m in prefix.memory_snapshot}
     for t in range(1, turns + 1):
         if t in revoke:
@@ -287,7 +297,7 @@ def gate_script(turns: int = GATE_TURNS, context_window: int = GATE_WINDOW) -> S
         "s50",
         seed=SEED + 50,
         turns=turns,
-        start=datetime(2026, 11, 30, 22, 15, tzinfo=UTC),
+        start=datetime(2026, 12, 1, tzinfo=UTC) - timedelta(minutes=round(3.5 * turns / 2)),  # midnight mid-way
         context_window=context_window,
         tool_rate=0.35,
         revoke={at(15): "notes.save"},
@@ -415,6 +425,8 @@ class CtxEngine(Assembler):
         self.checkpoint: Checkpoint | None = None
         self.checkpoints: list[str] = []
         self.prefix_hashes: set[str] = set()
+        self.pointers: frozenset[str] = frozenset()
+        self.pointer_conversions = 0  # requests at which yield 2 turned another tool result into a pointer
 
     def body(self, view: View) -> BodyInputs:
         tail = self.tail_items(view)
@@ -482,6 +494,9 @@ class CtxEngine(Assembler):
             )
             if plan.status is PlanStatus.FITS:
                 self.prefix_hashes.add(plan.prefix_sha256)
+                pointers = frozenset(s.item_id for s in plan.segments if s.item_id.endswith("#pointer"))
+                self.pointer_conversions += not pointers <= self.pointers
+                self.pointers = pointers
                 return plan.segments
             self.compact(view)  # build never compacts: the compactor writes a checkpoint, then build again
         raise RuntimeError(f"turn {view.turn}: still over budget after compaction")
@@ -933,6 +948,7 @@ def _figures(name: str, script: Script, meters: dict[str, Meter]) -> dict[str, A
     ctx = meters["ctxengine"].assembler
     assert isinstance(ctx, CtxEngine)
     out[f"{name}_ctxengine_prefix_hashes"] = len(ctx.prefix_hashes)
+    out[f"{name}_ctxengine_pointer_conversions"] = ctx.pointer_conversions
     for assembler, meter in meters.items():
         out[f"{name}_{assembler}_compactions"] = meter.assembler.compactions
         out[f"{name}_{assembler}_summarizer_input_tokens"] = meter.assembler.summarizer_input_tokens
@@ -955,6 +971,10 @@ def _figures(name: str, script: Script, meters: dict[str, Meter]) -> dict[str, A
             )
     for other in ("naive", "summarize_all"):
         out[f"{name}_cost_ratio_vs_{other}"] = max(out[f"{name}_{p}_cost_ratio_vs_{other}"] for p in PROVIDERS)
+    # The best ratio OpenAI's rule allows: every ctxengine input token cached (0.5x), against naive as measured.
+    best = out[f"{name}_ctxengine_openai_input_tokens"] * PRICES["openai"]["cached_input"] / 1e6
+    best += ctx.summarizer_input_tokens * PRICES["openai"]["input"] / 1e6
+    out[f"{name}_openai_cost_ratio_floor_vs_naive"] = round(best / out[f"{name}_naive_openai_cost_usd"], 4)
     return out
 
 
@@ -967,7 +987,8 @@ def run(
     long_window: int = LONG_WINDOW,
 ) -> dict[str, Any]:
     """Replay both sessions through the three assemblers and price them. Headline figures are the 200-turn
-    session's, each the worse of the two providers (lowest cached share, highest cost ratio)."""
+    session's, each the worse of the two providers (lowest cached share, highest cost ratio); the targets
+    are also judged per provider."""
     started = time.perf_counter()
     figures: dict[str, Any] = {}
     for script in (gate_script(gate_turns, gate_window), long_script(long_turns, long_window)):
@@ -983,6 +1004,10 @@ def run(
     }
     head["meets_cached_share_target"] = head["ctxengine_cached_share"] >= CACHED_SHARE_TARGET
     head["meets_cost_target"] = head["cost_ratio_vs_naive"] <= COST_RATIO_TARGET
+    for provider in PROVIDERS:
+        share = figures[f"s200_ctxengine_{provider}_cached_share"]
+        head[f"meets_cached_share_target_{provider}"] = share >= CACHED_SHARE_TARGET
+        head[f"meets_cost_target_{provider}"] = figures[f"s200_{provider}_cost_ratio_vs_naive"] <= COST_RATIO_TARGET
     return {
         **head,
         "cached_share_target": CACHED_SHARE_TARGET,

@@ -45,7 +45,7 @@ DEFAULT_PROFILES: dict[str, ModelProfile] = {
     "openai": ModelProfile(provider="openai", model="gpt-4o", encoding="o200k_base", context_window=128_000),
     "anthropic": ModelProfile(
         provider="anthropic",
-        model="claude-sonnet-4",
+        model="claude-sonnet-4-6",
         calibration=1.45,
         per_message_tokens=5,
         min_cacheable_tokens=1_024,

@@ -14,7 +14,7 @@ from ctxengine import names
 from ctxengine.contract import RevokeTool, SessionOpen, SessionState, TurnInput, TurnResult, WriteMemory
 from ctxengine.services import services
 
-DEMO_MODELS = {"scripted": "scripted-1", "openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5"}
+DEMO_MODELS = {"scripted": "scripted-1", "openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-6"}
 
 SCRIPT: list[tuple[str, Any]] = [
     ("turn", "Hi! I'm planning a weekend in Oslo and want help."),
@@ -41,6 +41,11 @@ async def run_demo(
     console = console or Console(width=150)
     if provider not in DEMO_MODELS:
         raise SystemExit(f"unknown provider {provider!r}; choose one of {', '.join(DEMO_MODELS)}")
+    from activities.provider import build_providers
+
+    port = build_providers().get(provider)
+    if port is not None and not getattr(port, "configured", True):
+        raise SystemExit(str(getattr(port, "message", f"provider {provider!r} is not configured")))
     configure_logging(level=30)  # warnings only: the demo prints its own table
     async with services() as svc:
         client = await connect(svc.temporal_address)
@@ -52,6 +57,7 @@ async def run_demo(
                     {
                         "agent_instructions": "You are a travel assistant. Be concise; cite tool results.",
                         "tools": DEMO_TOOLS,
+                        "model_route": {"provider": provider, "model": model or DEMO_MODELS[provider]},
                     }
                 ),
                 id=session_id,

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 
 def parse_route(text: str) -> ModelRoute:
-    """`provider/model`, e.g. `anthropic/claude-sonnet-4-5`, or a bare provider name."""
+    """`provider/model`, e.g. `anthropic/claude-sonnet-4-6`, or a bare provider name."""
     provider, _, model = text.partition("/")
     if provider not in DEFAULT_PROFILES:
         raise ConfigError(f"unknown provider {provider!r} in route {text!r}; known: {', '.join(DEFAULT_PROFILES)}")

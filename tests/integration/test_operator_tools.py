@@ -37,7 +37,7 @@ def _instructions_measuring(tokens: int) -> str:
 class TestValidate:
     def test_example_fits_with_figures(self) -> None:
         """The example configuration fits and each class reports tokens, cap and headroom."""
-        res = runner.invoke(app, ["validate", str(EXAMPLE), "--model", "anthropic/claude-sonnet-4-5", "--json"])
+        res = runner.invoke(app, ["validate", str(EXAMPLE), "--model", "anthropic/claude-sonnet-4-6", "--json"])
         assert res.exit_code == 0, res.output
         report = json.loads(res.stdout)
         classes = report["configs"][0]["routes"][0]["classes"]

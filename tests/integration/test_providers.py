@@ -104,12 +104,6 @@ SYSTEM_TEXT = "".join(s.text for s in PREFIX.segments if s.kind != "tool_definit
 VOLATILE = {"correction", "recall", "working_state", "turn_context", "current_message"}
 
 
-class EstimatedRequest(ProviderRequest):
-    """A request carrying the estimate that let it through (what call_model is to pass on)."""
-
-    estimated_tokens: int | None = None
-
-
 # --------------------------------------------------------------------------------------------- fixtures
 
 
@@ -208,7 +202,7 @@ class Session:
         )
         plan = build(PREFIX, body, budget=self.budget, estimator=ESTIMATOR, secret=SECRET, cache=self.cache)
         self.yields.append(sum(1 for s in plan.segments if s.kind == "elided_span"))
-        return EstimatedRequest(
+        return ProviderRequest(
             session_id=SESSION,
             epoch=plan.epoch,
             provider=self.provider_name,
@@ -613,7 +607,7 @@ async def test_http_errors_map_to_application_errors(
     details = err.details[0]
     assert details["provider"] == kind and details["request_sha256"] == request.request_sha256
     if spec.error_type == "ContextLengthExceeded":
-        estimate = getattr(request, "estimated_tokens", None)
+        estimate = request.estimated_tokens
         assert estimate and details["estimated_tokens"] == estimate
         assert f"estimated {estimate:,} tokens" in err.message
         assert details["provider_tokens"] in (130_563, 208_310)
