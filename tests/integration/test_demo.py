@@ -29,7 +29,7 @@ async def test_demo_runs_end_to_end(
         monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
         monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
     try:
-        result = await run_demo(provider=provider, console=Console(file=open("/dev/null", "w")))  # noqa: SIM115
+        result = await run_demo(provider=provider, console=Console(file=open("/dev/null", "w")))
         served = len(server.requests) if server is not None else None
     finally:
         if server is not None:
