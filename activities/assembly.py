@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, Field
 
 from core.budget import ContextBudget
-from core.build import BodyInputs
+from core.build import WORKING_STATE_ID, BodyInputs
 from core.compaction import Checkpoint
 from core.estimator import ModelProfile
 from core.items import (
@@ -71,9 +71,7 @@ def body_inputs(items: Sequence[HistoryItem], checkpoint: Checkpoint | None, ri:
             CorrectionLine(id=f"correction.{m.memory_id}", memory_id=m.corrects or "", text=m.text, trust=m.trust)
             for m in ri.corrections
         ],
-        working_state=WorkingStateBlock(id=f"working_state.{ri.turn}.{ri.call_index}", text=ri.working_state)
-        if ri.working_state
-        else None,
+        working_state=WorkingStateBlock(id=WORKING_STATE_ID, text=ri.working_state) if ri.working_state else None,
         turn_context=TurnContext(
             id=f"clock.{ri.turn}.{ri.call_index}", text=f"Current date and time (UTC): {ri.now_iso}"
         ),

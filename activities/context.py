@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import jsonschema
 import structlog
+from pydantic import ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -25,7 +26,16 @@ from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS
-from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
+from core.build import (
+    BodyInputs,
+    FrozenPrefix,
+    PrefixInputs,
+    RenderCache,
+    build,
+    counter_key,
+    measure_working_state,
+    open_prefix,
+)
 from core.compaction import Checkpoint
 from core.errors import ContextError, PrefixOverflowError
 from core.estimator import ModelProfile, TokenEstimator, reconcile
@@ -85,7 +95,14 @@ class _SessionCache:
         self.items: list[HistoryItem] = []
         self.max_seq = -1
         self.prefixes: dict[int, tuple[FrozenPrefix, ModelProfile]] = {}
-        self.render = RenderCache(secret)
+        self.secret = secret
+        self.renders: dict[str, RenderCache] = {}  # one memo per tokenizer: counts differ between them
+
+    def render_for(self, estimator: TokenEstimator) -> RenderCache:
+        key = counter_key(estimator)
+        if key not in self.renders:
+            self.renders[key] = RenderCache(self.secret, key)
+        return self.renders[key]
 
 
 class SessionActivities:
@@ -117,7 +134,7 @@ class SessionActivities:
         if row is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
         cache = self._sessions.get(session_id)
-        if cache is None or cache.render.secret != bytes(row["secret"]):
+        if cache is None or cache.secret != bytes(row["secret"]):
             cache = _SessionCache(bytes(row["secret"]))
             self._sessions[session_id] = cache
             if len(self._sessions) > self._max_sessions:
@@ -177,7 +194,15 @@ class SessionActivities:
                 pinned_tools=_tool_names(prefix),
                 search_attributes=self.search_attributes,
             )
-        budget = inp.open.context_budget()
+        try:
+            budget = inp.open.context_budget()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ApplicationError(
+                f"session open: budget.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+                type="InvalidSessionOpen",
+                non_retryable=True,
+            ) from exc
         profile = await self._profile(inp.open.model_route.profile())
         tools = [
             ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
@@ -385,7 +410,9 @@ class SessionActivities:
         )
         body = body_inputs(items, checkpoint, ri)
         try:
-            plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render)
+            plan = build(
+                prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
+            )
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body
@@ -534,14 +561,14 @@ class SessionActivities:
         self, inp: ToolInput, open_: SessionOpen, items: list[HistoryItem]
     ) -> tuple[str, TrustLevel, bool, str | None]:
         if not inp.allowed:
-            return f"error: call denied by policy: {inp.denial}", TrustLevel.PLATFORM, True, None
+            return f"error: call denied by policy: {inp.denial}", TrustLevel.TOOL, True, None
         if inp.call.name == CONTROL_TOOL_NAME:
             return await self._update_working_state(inp, items)
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
             return (
                 f"error: tool {inp.call.name!r} is not in this session's tool set",
-                TrustLevel.PLATFORM,
+                TrustLevel.TOOL,
                 True,
                 None,
             )
@@ -551,7 +578,7 @@ class SessionActivities:
             path = "/".join(str(p) for p in exc.absolute_path) or "(arguments)"
             return (
                 f"error: arguments do not match the tool's schema at {path}: {exc.message}",
-                TrustLevel.PLATFORM,
+                TrustLevel.TOOL,
                 True,
                 None,
             )
@@ -559,7 +586,7 @@ class SessionActivities:
         if executor is None:
             return (
                 f"error: no executor for tool {inp.call.name!r} on this worker",
-                TrustLevel.PLATFORM,
+                TrustLevel.TOOL,
                 True,
                 None,
             )
@@ -599,13 +626,25 @@ class SessionActivities:
         try:
             update = WorkingStateUpdate.model_validate(inp.call.arguments)
         except ValueError as exc:
-            return f"error: invalid working state update: {exc}", TrustLevel.PLATFORM, True, None
-        count = self.counter("cl100k_base").count
+            return f"error: invalid working state update: {exc}", TrustLevel.TOOL, True, None
+        if await self.store.has_working_state_write(inp.session_id, inp.call.item_id):
+            return "working state updated", TrustLevel.TOOL, False, None  # a retry after the write
+        open_, secret, cache = await self._session(inp.session_id)
+        _, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+        estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
         writes = await self.store.working_state_writes(inp.session_id)
-        state = self._working_state(writes, count, inp.turn + 1)
+        state = self._working_state(writes, estimator.counter.count, inp.turn + 1)
         untrusted = await self._untrusted_in_view(inp, items)
         try:
-            apply(state, update, writer="model", count=count, untrusted_in_context=untrusted)
+            # Measured as build() will count the block, so an accepted write always fits its cap.
+            apply(
+                state,
+                update,
+                writer="model",
+                count=lambda text: measure_working_state(text, estimator=estimator, secret=secret),
+                untrusted_in_context=untrusted,
+                token_cap=open_.context_budget(profile).working_state_tokens,
+            )
         except ContextError as exc:
             await self._event(
                 inp.session_id,
@@ -615,12 +654,12 @@ class SessionActivities:
                 inp.epoch,
                 {"error": str(exc)},
             )
-            return f"error: {exc}", TrustLevel.PLATFORM, True, None
+            return f"error: {exc}", TrustLevel.TOOL, True, None
         write = WorkingStateWrite(turn=inp.turn, writer="model", untrusted_in_context=untrusted, update=update)
         await self.store.add_working_state_write(
             inp.session_id, inp.call.item_id, inp.turn, write.model_dump(mode="json")
         )
-        return "working state updated", TrustLevel.PLATFORM, False, None
+        return "working state updated", TrustLevel.TOOL, False, None
 
     async def _untrusted_in_view(self, inp: ToolInput, items: list[HistoryItem]) -> bool:
         """Whether untrusted text was in the request that produced this call, or is already in this turn's log.

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from activities.assembly import RequestInputs, body_inputs
 from activities.store import Store
 from core.budget import ContextBudget
-from core.build import FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
+from core.build import FrozenPrefix, PrefixInputs, RenderCache, build, counter_key, open_prefix
 from core.compaction import Checkpoint
 from core.errors import ContextError
 from core.estimator import ModelProfile, TokenCounter, TokenEstimator
@@ -69,7 +69,7 @@ async def rebuild_session(
     items: list[HistoryItem] = [parse_history_item(r["payload"]) for r in await store.load_items(session_id)]
     prefixes: dict[tuple[int, str], FrozenPrefix | str] = {}
     checkpoints: dict[str, Checkpoint] = {}
-    cache = RenderCache(secret)
+    caches: dict[str, RenderCache] = {}
     out: list[RebuiltRequest] = []
     for rec in await store.records(session_id):
         ri = RequestInputs.model_validate(rec["inputs"])
@@ -111,7 +111,7 @@ async def rebuild_session(
                 budget=budget,
                 estimator=estimator,
                 secret=secret,
-                cache=cache,
+                cache=caches.setdefault(counter_key(estimator), RenderCache(secret, counter_key(estimator))),
             )
         except ContextError as exc:
             out.append(base.model_copy(update={"error": str(exc), "prefix_sha256": prefix.sha256}))

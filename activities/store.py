@@ -105,6 +105,7 @@ WHERE scope = $1 AND corrects = ANY($2::text[]) ORDER BY created_at, memory_id""
 SQL_ADD_WS_WRITE = """
 INSERT INTO working_state_writes (session_id, write_key, turn, write) VALUES ($1, $2, $3, $4)
 ON CONFLICT (session_id, write_key) DO NOTHING"""
+SQL_HAS_WS_WRITE = "SELECT 1 FROM working_state_writes WHERE session_id = $1 AND write_key = $2"
 SQL_WS_WRITES = "SELECT write FROM working_state_writes WHERE session_id = $1 ORDER BY position"
 SQL_GET_CALIBRATION = "SELECT calibration FROM calibrations WHERE route = $1"
 SQL_SET_CALIBRATION = """
@@ -392,6 +393,9 @@ class Store:
     # ------------------------------------------------------------ working state
     async def add_working_state_write(self, session_id: str, write_key: str, turn: int, write: dict[str, Any]) -> None:
         await self.pool.execute(SQL_ADD_WS_WRITE, session_id, write_key, turn, write)
+
+    async def has_working_state_write(self, session_id: str, write_key: str) -> bool:
+        return bool(await self.pool.fetchval(SQL_HAS_WS_WRITE, session_id, write_key))
 
     async def working_state_writes(self, session_id: str) -> list[dict[str, Any]]:
         return [r["write"] for r in await self.pool.fetch(SQL_WS_WRITES, session_id)]

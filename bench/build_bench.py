@@ -542,6 +542,10 @@ class CountingCounter:
         self.inner = inner
         self.calls = 0
 
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
     def count(self, text: str) -> int:
         self.calls += 1
         return self.inner.count(text)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.budget import ContextBudget
 from core.compaction import Checkpoint, apply_checkpoint
-from core.errors import NonYieldableOverflowError, PrefixOverflowError, WorkingStateCapError
+from core.errors import NonYieldableOverflowError, PrefixOverflowError
 from core.estimator import TokenEstimator
 from core.items import (
     AgentInstructions,
@@ -49,6 +49,7 @@ from core.rendering import FRAMING_TEXT, derive_nonce, render_envelope
 from core.validation import PairState, validate_pairs
 
 FRAMING_ID = "platform.2.framing"
+WORKING_STATE_ID = "working_state"  # one id for the block, so the write-time measure is exactly build's
 POLICY_ID = "platform.1.policy"
 
 
@@ -106,6 +107,21 @@ def source_of(item: Item) -> str:
     return item.kind
 
 
+def counter_key(estimator: TokenEstimator) -> str:
+    """What a cached count depends on: the tokenizer (its name, or its identity when it has none)."""
+    name = getattr(estimator.counter, "name", None)
+    return str(name) if name else f"counter@{id(estimator.counter)}"
+
+
+def measure_working_state(text: str, *, estimator: TokenEstimator, secret: bytes) -> int:
+    """The working-state block's size as build() counts it (rendered, in the route's units, with the margin).
+
+    The write-time cap uses this, so a write that is accepted always fits the budget it was checked against.
+    """
+    rendered = render_item(WorkingStateBlock(id=WORKING_STATE_ID, text=text), secret)
+    return math.ceil((estimator.count(rendered) + estimator.profile.per_message_tokens) * estimator.body_unit())
+
+
 def render_item(item: Item, secret: bytes) -> str:
     """Platform text renders as is; every other trust level inside a nonced, attributed envelope."""
     if item.trust is TrustLevel.PLATFORM:
@@ -159,9 +175,9 @@ class HistoryScan:
 class RenderCache:
     """Memo of rendered segments for one session secret, keyed by item id and checked against the item."""
 
-    def __init__(self, secret: bytes, counter_name: str = "") -> None:
+    def __init__(self, secret: bytes, counter_key: str = "") -> None:
         self.secret = secret
-        self.counter_name = counter_name
+        self.counter_key = counter_key
         self._entries: dict[str, tuple[Item, Segment]] = {}
         self._pointers: dict[str, tuple[ToolResult, Segment]] = {}
         self._chain_prefix = ""
@@ -271,7 +287,7 @@ def open_prefix(
         *inputs.tools,
         *inputs.memory_snapshot,
     ]
-    cache = RenderCache(secret)
+    cache = RenderCache(secret, counter_key(estimator))
     segments = [cache.segment(item, estimator) for item in assembly_order(items)]
     class_tokens: dict[str, int] = {}
     caps = budget.prefix_caps()
@@ -317,8 +333,10 @@ def build(
     The warm path is one pass over the history: rendering, counting and pointers come from the cache,
     running totals replace re-summing, and the request hash resumes from the last unchanged segment.
     """
-    if cache is None or cache.secret != secret:
-        cache = RenderCache(secret)
+    key = counter_key(estimator)
+    if cache is None or cache.secret != secret or cache.counter_key not in ("", key):
+        cache = RenderCache(secret, key)  # counts are per tokenizer: another one means another memo
+    cache.counter_key = key  # a new cache is bound to the first tokenizer it serves
     unit = estimator.body_unit()
     per_msg = estimator.profile.per_message_tokens
     prefix_tokens = estimator.prefix_tokens(prefix.raw_tokens, prefix.tool_count)
@@ -334,10 +352,7 @@ def build(
     # Never yield: current message, working state, correction lines, turn context, the active turn's items.
     fixed_items: list[Item] = [*active, *body.corrections]
     if body.working_state is not None:
-        ws = cache.segment(body.working_state, estimator)
-        ws_tokens = math.ceil(est(ws))
-        if ws_tokens > budget.working_state_tokens:
-            raise WorkingStateCapError("working_state", ws_tokens, budget.working_state_tokens, unit="tokens")
+        # Its cap is enforced when it is written (measure_working_state); here it never yields.
         fixed_items.append(body.working_state)
     if body.turn_context is not None:
         fixed_items.append(body.turn_context)
@@ -405,6 +420,8 @@ def build(
             assert isinstance(original, ToolResult)
             pseg = cache.pointer_segment(original, older_raw[index], estimator)
             delta = older_raw[index] - pseg.raw_tokens
+            if delta <= 0:
+                continue  # a pointer no smaller than its result would destroy content for nothing
             older_segs[index] = pseg
             older_raw[index] = pseg.raw_tokens
             older_raw_total -= delta

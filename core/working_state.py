@@ -166,7 +166,7 @@ def apply(
     writer: Writer,
     count: Callable[[str], int],
     untrusted_in_context: bool = False,
-    token_cap: int = TOKEN_CAP,
+    token_cap: int | None = TOKEN_CAP,
 ) -> WorkingState:
     """Apply every operation or none. Raises WorkingStateCapError / WorkingStateError; never evicts."""
     constraints = list(state.constraints)
@@ -224,9 +224,10 @@ def apply(
         if len(rows) > CAPS[field]:
             raise WorkingStateCapError(field, len(rows), CAPS[field])
     result = WorkingState(constraints=constraints, tasks=tasks, facts=facts, open_questions=questions, next_id=next_id)
-    tokens = count(render(result))
-    if tokens > token_cap:
-        raise WorkingStateCapError("working_state", tokens, token_cap, unit="tokens")
+    if token_cap is not None:
+        tokens = count(render(result))
+        if tokens > token_cap:
+            raise WorkingStateCapError("working_state", tokens, token_cap, unit="tokens")
     return result
 
 

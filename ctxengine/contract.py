@@ -170,6 +170,8 @@ class SessionState(BaseModel):
     prefix_hashes: dict[str, list[str]] = Field(default_factory=dict)  # epoch -> distinct hashes seen
     pinned_tools: list[str] = Field(default_factory=list)
     revoked_tools: dict[str, str] = Field(default_factory=dict)
+    removed_tools: list[str] = Field(default_factory=list)  # taken out of the prefix by a forced revocation
+    compaction_runs: int = 0  # every CompactionWorkflow started, whatever it decided: names the next one
     working_state: str = ""
     last_plan: PlanSummary | None = None
     metrics: SessionMetrics = Field(default_factory=SessionMetrics)

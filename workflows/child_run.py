@@ -11,16 +11,24 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from ctxengine import names
-    from ctxengine.contract import ChildRunInput, ChildRunResult
+    from ctxengine.contract import ChildRunInput, ChildRunResult, RevokeTool
 
 from workflows.turn import TurnRunner
 
 
 @workflow.defn(name=names.WORKFLOW_CHILD_RUN)
 class ChildRunWorkflow:
+    @workflow.init
+    def __init__(self, inp: ChildRunInput) -> None:
+        self.state = inp.state.model_copy(deep=True)
+
     @workflow.run
     async def run(self, inp: ChildRunInput) -> ChildRunResult:
-        state = inp.state.model_copy(deep=True)
-        runner = TurnRunner(inp.open, state, escalate=None)
+        runner = TurnRunner(inp.open, self.state, escalate=None)
         result = await runner.run(inp.turn, user_item_id=inp.user_item_id, first_call=inp.call_index)
-        return ChildRunResult(result=result, state=state)
+        return ChildRunResult(result=result, state=self.state)
+
+    @workflow.signal(name=names.UPDATE_REVOKE_TOOL)
+    def revoke_tool(self, req: RevokeTool) -> None:
+        """The session forwards revocations made while this run is in flight: authorisation is at call time."""
+        self.state.revoked_tools[req.name] = req.reason

@@ -15,6 +15,8 @@ from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+
     from core.working_state import CONTROL_TOOL_NAME
     from ctxengine import names
     from ctxengine.contract import (
@@ -48,7 +50,9 @@ SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
 
 
-@workflow.defn(name=names.WORKFLOW_SESSION)
+# A start input that is not a SessionOpen fails the workflow with pydantic's message (naming the field),
+# instead of failing its first task over and over.
+@workflow.defn(name=names.WORKFLOW_SESSION, failure_exception_types=[ValidationError])
 class SessionWorkflow:
     @workflow.init
     def __init__(self, open_: SessionOpen) -> None:
@@ -61,6 +65,7 @@ class SessionWorkflow:
         self.ready = carried is not None
         self.closing = False
         self.turns_at_start = self.state.turns
+        self.child: workflow.ChildWorkflowHandle[ChildRunWorkflow, ChildRunResult] | None = None
 
     # ------------------------------------------------------------ run
     @workflow.run
@@ -132,7 +137,7 @@ class SessionWorkflow:
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
         number = self.state.metrics.escalations
-        done: ChildRunResult = await workflow.execute_child_workflow(
+        self.child = await workflow.start_child_workflow(
             ChildRunWorkflow.run,
             ChildRunInput(
                 open=self.open, state=self.state, turn=turn, user_item_id=user_item_id, call_index=call_index
@@ -140,6 +145,12 @@ class SessionWorkflow:
             id=f"{self.state.session_id}/child-run/{number}",
             static_summary=f"child run {number} of session {self.state.session_id} (turn {turn})",
         )
+        try:
+            done: ChildRunResult = await self.child
+        finally:
+            self.child = None
+        # Adopt the child's state, keeping revocations that arrived while it ran (it got them by signal too).
+        done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
         self.state = done.state
         return done.result
 
@@ -153,6 +164,8 @@ class SessionWorkflow:
     async def revoke_tool(self, req: RevokeTool) -> SessionState:
         await workflow.wait_condition(lambda: self.ready)
         self.state.revoked_tools[req.name] = req.reason
+        if self.child is not None:  # a turn running in a child run authorises against its own copy
+            await self.child.signal(ChildRunWorkflow.revoke_tool, req)
         self._publish()
         return self.state
 
@@ -171,17 +184,16 @@ class SessionWorkflow:
         await workflow.wait_condition(lambda: self.ready)
         async with self.lock:
             old = self.state.epoch
-            if req.model_route is not None:
-                self.open = self.open.model_copy(update={"model_route": req.model_route})
-                self.state.model_route = req.model_route
+            new = old + 1
+            new_open = self.open.model_copy(update={"model_route": req.model_route}) if req.model_route else self.open
+            removed = sorted({*self.state.removed_tools, *req.revoke_tools})
+            # Nothing changes unless the new prefix opens: a failed rotation leaves the session as it was.
+            opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            self.open = new_open
+            self.state.model_route = new_open.model_route
+            self.state.removed_tools = removed
             for name in req.revoke_tools:
                 self.state.revoked_tools[name] = f"forced revocation ({req.reason})"
-            new = old + 1
-            opened = await self._open(
-                epoch=new,
-                reason=req.reason,
-                revoked=list(self.state.revoked_tools) if req.revoke_tools else [],
-            )
             self.state.epoch = new
             self.state.prefix_hashes[str(new)] = [opened.prefix_sha256]
             self.state.metrics.epochs += 1
@@ -294,12 +306,14 @@ class SessionWorkflow:
             raise ValueError("the session failed to open")
 
     # ------------------------------------------------------------ helpers
-    async def _open(self, *, epoch: int, reason: str, revoked: list[str] | None = None) -> OpenResult:
+    async def _open(
+        self, *, epoch: int, reason: str, revoked: list[str] | None = None, open_: SessionOpen | None = None
+    ) -> OpenResult:
         result: OpenResult = await workflow.execute_activity(
             names.ACTIVITY_OPEN,
             OpenInput(
                 session_id=self.state.session_id,
-                open=self.open,
+                open=open_ or self.open,
                 epoch=epoch,
                 reason=reason,
                 revoked=revoked or [],

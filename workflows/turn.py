@@ -181,7 +181,8 @@ class TurnRunner:
         )
 
     async def _compact(self, turn: int, keep_from_seq: int) -> CompactionOutcome:
-        number = self.state.metrics.compactions + self.state.metrics.escalations + 1
+        self.state.compaction_runs += 1  # counted before the child starts: a retry never reuses a number
+        number = self.state.compaction_runs
         checkpoint_id = f"cp-{number}"
         outcome: CompactionOutcome = await workflow.execute_child_workflow(
             CompactionWorkflow.run,

@@ -104,3 +104,24 @@ async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str,
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.metrics.compactions >= 1
         assert len({r["prefix_sha256"] for r in await store.records(handle.id)}) == 1
+
+
+async def test_failed_compaction_does_not_poison_later_ones(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A turn that cannot fit even after compaction fails alone; later turns still compact under new ids."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+        for i in range(6):
+            await turn(handle, f"message {i}: " + "context " * 150)
+        from temporalio.client import WorkflowUpdateFailedError
+
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await turn(handle, "too long: " + "detail " * 2_550)
+        assert "over the input limit" in str(info.value.cause)
+        for i in range(12):
+            await turn(handle, f"later {i}: " + "context " * 150)
+        ids = [c["checkpoint_id"] for c in await store.checkpoints(handle.id)]
+        assert len(ids) >= 2 and len(set(ids)) == len(ids)
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.compaction_runs >= len(ids) + 1

@@ -161,3 +161,19 @@ async def test_inspect_shows_the_window(temporal_client: Client, pg_dsn: str, ta
         assert view["caps"]["agent_instructions"] == 4_000 and view["actual_input_tokens"] > 0
         last = await inspect_session(store, handle.id)
         assert last["turn"] == 2 and last["distinct_prefix_hashes_in_epoch"] == 1
+
+
+async def test_bad_start_input_fails_with_the_field(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A start input that is not a SessionOpen, or a budget override that is invalid, fails the session naming
+    the field instead of retrying forever."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION, {"agent_instrctions": "typo"}, id=f"bad-{task_queue}", task_queue=task_queue
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await handle.result()
+        assert "agent_instructions" in str(info.value.cause)
+        handle = await start(temporal_client, task_queue, session_open(budget={"output_reserve": -5}))
+        with pytest.raises(WorkflowFailureError) as info:
+            await handle.result()
+        assert "budget.output_reserve" in str(info.value.cause)

@@ -6,7 +6,7 @@ import pytest
 
 from core.budget import ContextBudget
 from core.build import BodyInputs, build
-from core.errors import NonYieldableOverflowError, WorkingStateCapError
+from core.errors import NonYieldableOverflowError
 from core.items import CorrectionLine, CurrentUserMessage, RecallItem, TrustLevel, WorkingStateBlock
 from core.plan import PlanStatus, YieldStep
 from tests.unit import factories as f
@@ -113,8 +113,29 @@ class TestNeverYields:
         with pytest.raises(NonYieldableOverflowError, match="current_message"):
             _plan(body, 3_000)
 
-    def test_working_state_over_its_cap_is_an_error(self) -> None:
-        """A working state block over 1,000 tokens is rejected, not trimmed."""
-        body = f.body(1).model_copy(update={"working_state": WorkingStateBlock(id="ws", text="x " * 1_500)})
-        with pytest.raises(WorkingStateCapError):
-            _plan(body, 100_000)
+    def test_working_state_is_never_trimmed_at_build(self) -> None:
+        """The working state's cap is enforced at write time; at build the block is carried whole, never trimmed."""
+        text = "constraint " * 1_200
+        body = f.body(1).model_copy(update={"working_state": WorkingStateBlock(id="ws", text=text)})
+        plan = _plan(body, 100_000)
+        assert text in plan.text and plan.tokens_by_class["working_state"] > 1_000
+
+    def test_write_time_measure_matches_build(self) -> None:
+        """measure_working_state gives the tokens build() charges the block, so accepted writes always fit."""
+        from core.build import measure_working_state
+
+        text = "# Working state\n## Constraints (never dropped)\n- [c1] stay under budget"
+        block = WorkingStateBlock(id="working_state", text=text)
+        plan = _plan(f.body(1).model_copy(update={"working_state": block}), 100_000)
+        assert (
+            measure_working_state(text, estimator=f.estimator(), secret=f.SECRET)
+            == plan.tokens_by_class["working_state"]
+        )
+
+    def test_pointer_never_larger_than_its_result(self) -> None:
+        """A tiny result is left whole: a pointer bigger than the result would free nothing."""
+        base = f.body(30)
+        tiny = [h.model_copy(update={"content": "ok"}) if h.kind == "tool_result" else h for h in base.history]
+        plan = _plan(base.model_copy(update={"history": tiny}), 6_000)
+        assert all(y.tokens_freed >= 0 for y in plan.yields)
+        assert not any(s.kind == "elided_span" for s in plan.segments)
