@@ -110,18 +110,19 @@ class CompactionActivities:
             raise ApplicationError(f"no compaction plan {inp.checkpoint_id}", type="UnknownPlan", non_retryable=True)
         plan = CompactionPlan.model_validate(plan_json)
         chunk = plan.chunks[inp.chunk_index]
-        open_, _ = await self._context(inp.session_id)
-        provider = self.session.providers.get(open_.model_route.provider)
+        _, (cache, _, _) = await self._context(inp.session_id)
+        _, profile = await self.session._prefix(inp.session_id, inp.epoch, cache)  # this epoch's route
+        provider = self.session.providers.get(profile.provider)
         if provider is None:
             raise ApplicationError(
-                f"provider {open_.model_route.provider!r} is not configured",
+                f"provider {profile.provider!r} is not configured",
                 type="ProviderNotConfigured",
                 non_retryable=True,
             )
         reply = await provider.summarize(
             SummaryRequest(
                 session_id=inp.session_id,
-                model=open_.model_route.model,
+                model=profile.model,
                 text=chunk.text,
                 max_tokens=min(SUMMARY_MAX_TOKENS, plan.summary_tokens_per_chunk),
             )
@@ -233,6 +234,8 @@ class CompactionActivities:
             elif text.lower() in known:
                 gate, reason = "duplicate", "already a memory in this scope"
             memory_id = None
+            if gate == "duplicate" and await self.store.memory_exists(inp.scope, f"{inp.session_id}:{fact.id}"):
+                gate, reason = None, "accepted"  # a retry: this very fact was written by the first attempt
             if gate is None:
                 memory_id = f"{inp.session_id}:{fact.id}"
                 await self.store.write_memory(

@@ -484,7 +484,9 @@ class SessionActivities:
                     "id": f"{base}call{j}",
                     "kind": "tool_call",
                     "trust": "MODEL",
-                    "call_id": call.call_id,
+                    # Our own id, unique in the session: some servers reuse `call_0` in every reply, and a
+                    # reused id would pair the wrong halves. Adapters send this id back on the wire.
+                    "call_id": f"call_t{inp.turn}_m{inp.call_index}_{j}",
                     "tool_name": call.name,
                     "arguments": call.arguments,
                 }
@@ -498,7 +500,7 @@ class SessionActivities:
         learned, rec = reconcile(
             profile, raw_tokens=record["raw_tokens"], estimated_tokens=record["estimated_tokens"], actual_tokens=actual
         )
-        await self.store.set_calibration(profile.route, learned.calibration)
+        await self.store.learn_calibration(profile.route, observed=rec.observed_ratio, first=learned.calibration)
         await self._event(
             inp.session_id,
             f"reconciled:{inp.turn}:{inp.call_index}",
@@ -582,6 +584,13 @@ class SessionActivities:
                 True,
                 None,
             )
+        except jsonschema.SchemaError as exc:  # the operator's schema is broken: retrying cannot fix it
+            return (
+                f"error: tool {inp.call.name!r} has an invalid input schema: {exc.message}",
+                TrustLevel.TOOL,
+                True,
+                None,
+            )
         executor = EXECUTORS.get(inp.call.name)
         if executor is None:
             return (
@@ -590,7 +599,11 @@ class SessionActivities:
                 True,
                 None,
             )
-        out = await executor(inp.call.arguments)
+        try:
+            out = await executor(inp.call.arguments)
+        except Exception as exc:
+            log.warning("tool.failed", session_id=inp.session_id, turn=inp.turn, tool=inp.call.name, error=repr(exc))
+            return f"error: tool {inp.call.name!r} failed: {type(exc).__name__}: {exc}", TrustLevel.TOOL, True, None
         content, artifact = out.content, None
         limit = await self._result_limit(inp, open_)
         count = self.counter("cl100k_base").count
@@ -662,14 +675,13 @@ class SessionActivities:
         return "working state updated", TrustLevel.TOOL, False, None
 
     async def _untrusted_in_view(self, inp: ToolInput, items: list[HistoryItem]) -> bool:
-        """Whether untrusted text was in the request that produced this call, or is already in this turn's log.
+        """Whether untrusted text was in the request that produced this call, or anywhere in the session's log.
 
         A fact written then may derive from it, so it is marked and never reaches memory formation.
         """
-        if any(
-            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED and i.id.startswith(f"t{inp.turn}.")
-            for i in items
-        ):
+        # Sticky: once untrusted content entered the session, a later assistant message may paraphrase it
+        # (and a pointer or summary hides where from), so every later fact counts as possibly derived from it.
+        if any(isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED for i in items):
             return True
         call_index = int(inp.call.item_id.split(".")[1].removeprefix("m"))
         record = await self.store.get_record(inp.session_id, inp.turn, call_index)

@@ -55,6 +55,7 @@ SQL_PUT_CANDIDATE = """
 INSERT INTO memory_candidates (session_id, fact_id, text, accepted, gate, reason, memory_id)
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, fact_id) DO NOTHING"""
 SQL_CANDIDATES = "SELECT * FROM memory_candidates WHERE session_id = $1 ORDER BY fact_id"
+SQL_MEMORY_EXISTS = "SELECT 1 FROM memories WHERE scope = $1 AND memory_id = $2"
 SQL_MEMORY_TEXTS = "SELECT lower(text) AS text FROM memories WHERE scope = $1"
 SQL_PUT_PREFIX = """
 INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix, inputs) VALUES ($1, $2, $3, $4, $5, $6, $7)
@@ -108,6 +109,13 @@ ON CONFLICT (session_id, write_key) DO NOTHING"""
 SQL_HAS_WS_WRITE = "SELECT 1 FROM working_state_writes WHERE session_id = $1 AND write_key = $2"
 SQL_WS_WRITES = "SELECT write FROM working_state_writes WHERE session_id = $1 ORDER BY position"
 SQL_GET_CALIBRATION = "SELECT calibration FROM calibrations WHERE route = $1"
+# The reconciliation rule applied in one statement, so concurrent sessions on a route never lose an upward move.
+SQL_LEARN_CALIBRATION = """
+INSERT INTO calibrations (route, calibration) VALUES ($1, $3)
+ON CONFLICT (route) DO UPDATE SET calibration = CASE
+    WHEN $2 > calibrations.calibration THEN $2
+    ELSE calibrations.calibration + 0.1 * ($2 - calibrations.calibration) END,
+    updated_at = now()"""
 SQL_SET_CALIBRATION = """
 INSERT INTO calibrations (route, calibration) VALUES ($1, $2)
 ON CONFLICT (route) DO UPDATE SET calibration = EXCLUDED.calibration, updated_at = now()"""
@@ -286,6 +294,9 @@ class Store:
     async def candidates(self, session_id: str) -> list[asyncpg.Record]:
         return await self.pool.fetch(SQL_CANDIDATES, session_id)
 
+    async def memory_exists(self, scope: str, memory_id: str) -> bool:
+        return bool(await self.pool.fetchval(SQL_MEMORY_EXISTS, scope, memory_id))
+
     async def memory_texts(self, scope: str) -> set[str]:
         return {r["text"] for r in await self.pool.fetch(SQL_MEMORY_TEXTS, scope)}
 
@@ -404,6 +415,10 @@ class Store:
     async def get_calibration(self, route: str) -> float | None:
         value = await self.pool.fetchval(SQL_GET_CALIBRATION, route)
         return float(value) if value is not None else None
+
+    async def learn_calibration(self, route: str, *, observed: float, first: float) -> None:
+        """Adopt a higher observed ratio at once, relax towards a lower one (core.estimator.reconcile's rule)."""
+        await self.pool.execute(SQL_LEARN_CALIBRATION, route, observed, first)
 
     async def set_calibration(self, route: str, calibration: float) -> None:
         await self.pool.execute(SQL_SET_CALIBRATION, route, calibration)

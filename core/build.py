@@ -47,6 +47,7 @@ from core.order import assembly_order
 from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
 from core.rendering import FRAMING_TEXT, derive_nonce, render_envelope
 from core.validation import PairState, validate_pairs
+from core.working_state import CONTROL_TOOL_NAME
 
 FRAMING_ID = "platform.2.framing"
 WORKING_STATE_ID = "working_state"  # one id for the block, so the write-time measure is exactly build's
@@ -271,8 +272,11 @@ def open_prefix(
     inputs: PrefixInputs, *, budget: ContextBudget, estimator: TokenEstimator, secret: bytes
 ) -> FrozenPrefix:
     """Render Region A, measure every class exactly, and refuse to open if any class is over its cap."""
-    if len(inputs.tools) > budget.tools_max_count:
-        raise PrefixOverflowError("tools", len(inputs.tools), budget.tools_max_count, unit="tools")
+    # The count cap is the operator's: the platform's own control tool does not take one of the 30 places
+    # (its tokens still count against the tools' token cap).
+    operator_tools = [t for t in inputs.tools if t.name != CONTROL_TOOL_NAME]
+    if len(operator_tools) > budget.tools_max_count:
+        raise PrefixOverflowError("tools", len(operator_tools), budget.tools_max_count, unit="tools")
     if len(inputs.memory_snapshot) > budget.memory_snapshot_max_items:
         raise PrefixOverflowError(
             "memory_snapshot", len(inputs.memory_snapshot), budget.memory_snapshot_max_items, unit="items"

@@ -320,6 +320,7 @@ class CompactionStep(BaseModel):
 
 class SummarizeInput(BaseModel):
     session_id: str
+    epoch: int
     checkpoint_id: str
     chunk_index: int
 

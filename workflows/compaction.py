@@ -57,7 +57,9 @@ class CompactionWorkflow:
             async with semaphore:
                 await workflow.execute_activity(
                     names.ACTIVITY_COMPACTION_SUMMARIZE,
-                    SummarizeInput(session_id=inp.session_id, checkpoint_id=inp.checkpoint_id, chunk_index=index),
+                    SummarizeInput(
+                        session_id=inp.session_id, epoch=inp.epoch, checkpoint_id=inp.checkpoint_id, chunk_index=index
+                    ),
                     start_to_close_timeout=timedelta(seconds=t.model_seconds),
                     retry_policy=RETRY,
                     summary=f"summarize chunk {index + 1}/{step.chunks}",
