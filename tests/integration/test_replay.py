@@ -110,11 +110,23 @@ async def epoch_rotation(client: Client, handle: WorkflowHandle[Any, Any]) -> No
     await handle.execute_update(names.UPDATE_CLOSE_SESSION, CloseSession(reason="scenario done"))
 
 
+async def compaction(client: Client, handle: WorkflowHandle[Any, Any]) -> None:
+    """A small window: long turns until the session has compacted (a CompactionWorkflow child), then close."""
+    for n in range(1, 30):
+        await turn(handle, f"turn {n}: " + "context " * 150 + '\n/call web.fetch {"url": "fixture://weather"}')
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        if state.metrics.compactions >= 1 and n >= 8:
+            break
+    assert state.metrics.compactions >= 1
+    await handle.execute_update(names.UPDATE_CLOSE_SESSION, CloseSession(reason="scenario done"))
+
+
 Scenario = Callable[[Client, WorkflowHandle[Any, Any]], Awaitable[None]]
 SCENARIOS: dict[str, tuple[Scenario, dict[str, Any]]] = {
     "tools_memory_close": (tools_memory_close, {}),
     "continue_as_new": (continue_as_new, {"continue_as_new_after_turns": 2}),
     "epoch_rotation": (epoch_rotation, {}),
+    "compaction": (compaction, {"budget": {"context_window": 5_000, "output_reserve": 500}}),
 }
 
 
