@@ -51,7 +51,7 @@ from core.items import (
     parse_history_item,
 )
 from core.plan import ContextPlan
-from core.rendering import escape_content
+from core.rendering import ESCAPING_FINGERPRINT, escape_content
 from core.working_state import (
     CONTROL_TOOL_DESCRIPTION,
     CONTROL_TOOL_NAME,
@@ -313,6 +313,14 @@ class SessionActivities:
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
         if self.fault_prefix_timestamp:
             prefix = await self._faulty_prefix(inp, open_, secret, estimator)
+        if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
+            # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):
+            # body bytes may differ from earlier requests. Say so; the operator rotates the epoch.
+            bound.warning(
+                "rendering.fingerprint_changed",
+                epoch_fingerprint=prefix.escaping_fingerprint,
+                worker_fingerprint=ESCAPING_FINGERPRINT,
+            )
         plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
         inputs = ri.model_dump(mode="json")
         body = [_segment_json(s) for s in plan.segments if s.region.value == "B"]

@@ -45,7 +45,7 @@ from core.items import (
 )
 from core.order import assembly_order
 from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
-from core.rendering import FRAMING_TEXT, derive_nonce, render_envelope
+from core.rendering import ESCAPING_FINGERPRINT, FRAMING_TEXT, derive_nonce, render_envelope
 from core.validation import PairState, validate_pairs
 from core.working_state import CONTROL_TOOL_NAME
 
@@ -78,6 +78,7 @@ class FrozenPrefix(BaseModel):
     tool_count: int
     class_tokens: dict[str, int]
     segments: list[Segment]
+    escaping_fingerprint: str = ""  # the escaping tables these bytes were rendered with (rendering contract)
 
 
 class BodyInputs(BaseModel):
@@ -315,6 +316,7 @@ def open_prefix(
         tool_count=len(inputs.tools),
         class_tokens=class_tokens,
         segments=segments,
+        escaping_fingerprint=ESCAPING_FINGERPRINT,
     )
 
 
