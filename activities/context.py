@@ -50,7 +50,7 @@ from core.items import (
     TrustLevel,
     parse_history_item,
 )
-from core.plan import ContextPlan
+from core.plan import ContextPlan, Segment
 from core.rendering import ESCAPING_FINGERPRINT, escape_content
 from core.working_state import (
     CONTROL_TOOL_DESCRIPTION,
@@ -97,6 +97,31 @@ class _SessionCache:
         self.prefixes: dict[int, tuple[FrozenPrefix, ModelProfile]] = {}
         self.secret = secret
         self.renders: dict[str, RenderCache] = {}  # one memo per tokenizer: counts differ between them
+        self.open: SessionOpen | None = None
+        # Per segment object (segments are immutable and kept alive by the render caches): its stored JSON and
+        # its provider form, made once. And the last requests built here, handed to the model call by hash.
+        self.seg_json: dict[int, tuple[Segment, dict[str, Any]]] = {}
+        self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
+        self.built: OrderedDict[str, list[Segment]] = OrderedDict()
+
+    def json_of(self, seg: Segment) -> dict[str, Any]:
+        hit = self.seg_json.get(id(seg))
+        if hit is None or hit[0] is not seg:
+            hit = (seg, seg.model_dump(mode="json"))
+            self.seg_json[id(seg)] = hit
+        return hit[1]
+
+    def provider_of(self, seg: Segment) -> ProviderSegment:
+        hit = self.seg_provider.get(id(seg))
+        if hit is None or hit[0] is not seg:
+            hit = (seg, _provider_segment(self.json_of(seg)))
+            self.seg_provider[id(seg)] = hit
+        return hit[1]
+
+    def remember_request(self, sha: str, segments: list[Segment]) -> None:
+        self.built[sha] = segments
+        while len(self.built) > 2:
+            self.built.popitem(last=False)
 
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
         key = counter_key(estimator)
@@ -140,7 +165,9 @@ class SessionActivities:
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
-        return SessionOpen.model_validate(row["open"]), bytes(row["secret"]), cache
+        if cache.open is None:
+            cache.open = SessionOpen.model_validate(row["open"])
+        return cache.open, cache.secret, cache
 
     async def _items(self, session_id: str, cache: _SessionCache) -> list[HistoryItem]:
         rows = await self.store.load_items(session_id, cache.max_seq)
@@ -323,7 +350,8 @@ class SessionActivities:
             )
         plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
         inputs = ri.model_dump(mode="json")
-        body = [_segment_json(s) for s in plan.segments if s.region.value == "B"]
+        body = [cache.json_of(s) for s in plan.segments if s.region.value == "B"]
+        cache.remember_request(plan.request_sha256, plan.segments)
         await self.store.put_request(plan.request_sha256, plan.prefix_sha256, body)
         hashes = await self.store.record_request(
             inp.session_id,
@@ -449,10 +477,14 @@ class SessionActivities:
                 record["estimated_tokens"],
                 overrun=None,
             )
-        stored = await self.store.get_request(inp.request_sha256)
-        assert stored is not None
-        segments = [_provider_segment(s.model_dump(mode="json")) for s in prefix.segments]
-        segments += [_provider_segment(s) for s in stored["body"]]
+        built = cache.built.get(inp.request_sha256)
+        if built is not None:  # built on this worker: no need to read the request back
+            segments = [cache.provider_of(s) for s in built]
+        else:
+            stored = await self.store.get_request(inp.request_sha256)
+            assert stored is not None
+            segments = [cache.provider_of(s) for s in prefix.segments]
+            segments += [_provider_segment(s) for s in stored["body"]]
         provider = self.providers.get(epoch_profile.provider)
         if provider is None:
             raise ApplicationError(
@@ -772,12 +804,9 @@ def _tool_names(prefix: FrozenPrefix) -> list[str]:
     return [s.item_id.removeprefix("tool.") for s in prefix.segments if s.kind == "tool_definition"]
 
 
-def _segment_json(seg: Any) -> dict[str, Any]:
-    return seg.model_dump(mode="json")  # type: ignore[no-any-return]
-
-
 def _provider_segment(data: dict[str, Any]) -> ProviderSegment:
-    return ProviderSegment(
+    return ProviderSegment.model_construct(
+        raw_tokens=data.get("raw_tokens", 0),
         role=data["role"],
         kind=data["kind"],
         trust=data["trust"],

@@ -19,6 +19,7 @@ from activities.tokens import TiktokenCounter
 
 
 class ProviderSegment(BaseModel):
+    raw_tokens: int = 0  # the counter's count of `text`, from the plan
     role: str
     kind: str
     trust: str
@@ -142,12 +143,12 @@ class ScriptedProvider:
                 tail.append(s)
             described = ", ".join(f"{s.item_id} ({s.trust}, {len(s.text)} chars)" for s in reversed(tail))
             reply = f"Done. Tool results: {described}." if tail else "Done."
-        input_text = "".join(s.text for s in segs)
-        input_tokens = math.ceil((self.counter.count(input_text) + 4 * len(segs)) * request.usage_ratio)
-        prefix_text = "".join(s.text for s in segs if s.region == "A")
+        # Usage from the plan's counts (each segment counted once, when it was rendered), times the ratio
+        # that stands in for another provider's tokenizer.
+        input_tokens = math.ceil((sum(s.raw_tokens for s in segs) + 4 * len(segs)) * request.usage_ratio)
         cached = 0
         if request.prefix_sha256 in self._seen:
-            cached = math.floor(self.counter.count(prefix_text) * request.usage_ratio)
+            cached = math.floor(sum(s.raw_tokens for s in segs if s.region == "A") * request.usage_ratio)
             self._seen.move_to_end(request.prefix_sha256)
         else:
             self._seen[request.prefix_sha256] = None

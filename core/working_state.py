@@ -239,28 +239,27 @@ def carry(state: WorkingState) -> WorkingState:
 def fold(writes: Iterable[WorkingStateWrite], *, count: Callable[[str], int], upto_turn: int) -> WorkingState:
     """The state at the start of `upto_turn`, computed from the logged writes of earlier turns.
 
-    Writes that were rejected were never logged, so folding cannot fail on them; a turn boundary applies
-    `carry` once for every turn passed.
+    Writes that were rejected were never logged, so folding cannot fail on them, and a logged write is never
+    re-measured (it was accepted under the measure of its time). `carry` is idempotent, so it runs once at
+    each boundary that writes cross, not once per turn.
     """
     state = WorkingState()
     turn = 0
     for write in sorted(writes, key=lambda w: w.turn):
         if write.turn >= upto_turn:
             break
-        while turn < write.turn:
+        if turn < write.turn:
             state = carry(state)
-            turn += 1
+            turn = write.turn
         state = apply(
             state,
             write.update,
             writer=write.writer,
             count=count,
             untrusted_in_context=write.untrusted_in_context,
+            token_cap=None,
         )
-    while turn < upto_turn:
-        state = carry(state)
-        turn += 1
-    return state
+    return carry(state) if turn < upto_turn else state
 
 
 CONTROL_TOOL_DESCRIPTION = (

@@ -45,6 +45,7 @@ from workflows.child_run import ChildRunWorkflow
 from workflows.turn import RETRY, TurnRunner
 
 RECENT_UPDATES = 32  # turn results remembered, by update id, across continue-as-new
+SA_TURNS_EVERY = 10
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
@@ -65,6 +66,7 @@ class SessionWorkflow:
         self.ready = carried is not None
         self.closing = False
         self.turns_at_start = self.state.turns
+        self.published: tuple[int, str, int] | None = None
         self.child: workflow.ChildWorkflowHandle[ChildRunWorkflow, ChildRunResult] | None = None
 
     # ------------------------------------------------------------ run
@@ -347,10 +349,14 @@ class SessionWorkflow:
             lines += [f"| {k} | {v:,} |" for k, v in p.tokens_by_class.items()]
         workflow.set_current_details("\n".join(lines))
         if s.search_attributes and hashes:
-            workflow.upsert_search_attributes(
-                [
-                    SA_EPOCH.value_set(s.epoch),
-                    SA_TURNS.value_set(s.turns),
-                    SA_PREFIX.value_set(hashes[-1]),
-                ]
-            )
+            # Each upsert is a history event: write when the epoch or prefix changes, turns every tenth turn.
+            published = (s.epoch, hashes[-1], s.turns // SA_TURNS_EVERY)
+            if published != self.published:
+                self.published = published
+                workflow.upsert_search_attributes(
+                    [
+                        SA_EPOCH.value_set(s.epoch),
+                        SA_TURNS.value_set(s.turns),
+                        SA_PREFIX.value_set(hashes[-1]),
+                    ]
+                )
