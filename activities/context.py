@@ -8,6 +8,7 @@ retry, so each write is idempotent and each activity returns what is stored, not
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -23,7 +24,7 @@ from temporalio.exceptions import ApplicationError
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
-from activities.store import Store
+from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS
 from core.build import (
@@ -103,6 +104,7 @@ class _SessionCache:
         self.seg_json: dict[int, tuple[Segment, dict[str, Any]]] = {}
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, list[Segment]] = OrderedDict()
+        self.last_body: tuple[str, str, list[Segment], int] | None = None
 
     def json_of(self, seg: Segment) -> dict[str, Any]:
         hit = self.seg_json.get(id(seg))
@@ -118,10 +120,26 @@ class _SessionCache:
             self.seg_provider[id(seg)] = hit
         return hit[1]
 
-    def remember_request(self, sha: str, segments: list[Segment]) -> None:
+    def remember_request(
+        self, sha: str, segments: list[Segment], prefix_sha: str, body: list[Segment], base: str | None
+    ) -> None:
         self.built[sha] = segments
         while len(self.built) > 2:
             self.built.popitem(last=False)
+        depth = self.last_body[3] + 1 if base and self.last_body is not None else 0
+        self.last_body = (sha, prefix_sha, body, depth)
+
+    def delta_base(self, prefix_sha: str, body: list[Segment]) -> tuple[str | None, int]:
+        """The previous request stored from this worker, and how many leading body segments it shares with
+        `body` (by identity): the new request is stored as that base plus the rest."""
+        if self.last_body is None:
+            return None, 0
+        sha, last_prefix, last, depth = self.last_body
+        if last_prefix != prefix_sha or depth >= MAX_DELTA_CHAIN:
+            return None, 0
+        same = list(map(operator.is_, body, last))
+        keep = same.index(False) if False in same else len(same)
+        return (sha, keep) if keep else (None, 0)
 
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
         key = counter_key(estimator)
@@ -350,9 +368,16 @@ class SessionActivities:
             )
         plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
         inputs = ri.model_dump(mode="json")
-        body = [cache.json_of(s) for s in plan.segments if s.region.value == "B"]
-        cache.remember_request(plan.request_sha256, plan.segments)
-        await self.store.put_request(plan.request_sha256, plan.prefix_sha256, body)
+        body_segments = plan.segments[len(prefix.segments) :]
+        base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
+        await self.store.put_request(
+            plan.request_sha256,
+            plan.prefix_sha256,
+            [cache.json_of(s) for s in body_segments[keep:]],
+            base=base,
+            keep=keep,
+        )
+        cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
         hashes = await self.store.record_request(
             inp.session_id,
             inp.turn,

@@ -128,6 +128,9 @@ SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
 
 
+MAX_DELTA_CHAIN = 32  # a request stored as a delta is at most this many links from a whole one
+
+
 class ForeignReferenceError(PermissionError):
     """A pointer or artifact reference that belongs to another session."""
 
@@ -315,11 +318,30 @@ class Store:
     async def get_prefix(self, session_id: str, epoch: int) -> asyncpg.Record | None:
         return await self.pool.fetchrow(SQL_GET_PREFIX, session_id, epoch)
 
-    async def put_request(self, sha: str, prefix_sha: str, body: list[dict[str, Any]]) -> None:
-        await self.pool.execute(SQL_PUT_REQUEST, sha, prefix_sha, body)
+    async def put_request(
+        self, sha: str, prefix_sha: str, body: list[dict[str, Any]], *, base: str | None = None, keep: int = 0
+    ) -> None:
+        """Store a request's body segments, content-addressed. With `base`, only the segments after the first
+        `keep` of that stored request are written: a turn stores what it added, not the whole history again."""
+        stored: Any = {"base": base, "keep": keep, "tail": body} if base else body
+        await self.pool.execute(SQL_PUT_REQUEST, sha, prefix_sha, stored)
 
-    async def get_request(self, sha: str) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_REQUEST, sha)
+    async def get_request(self, sha: str) -> dict[str, Any] | None:
+        """`{"prefix_sha256", "body"}` with the body whole, following delta links (at most MAX_DELTA_CHAIN)."""
+        row = await self.pool.fetchrow(SQL_GET_REQUEST, sha)
+        if row is None:
+            return None
+        links: list[dict[str, Any]] = []
+        body: Any = row["body"]
+        while isinstance(body, dict):
+            links.append(body)
+            base = await self.pool.fetchrow(SQL_GET_REQUEST, body["base"])
+            if base is None:
+                raise LookupError(f"request {sha} refers to a missing base {body['base']}")
+            body = base["body"]
+        for link in reversed(links):
+            body = body[: link["keep"]] + link["tail"]
+        return {"prefix_sha256": row["prefix_sha256"], "body": body}
 
     # ------------------------------------------------------------ request records
     async def record_request(

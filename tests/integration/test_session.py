@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.service import RPCError
@@ -27,6 +29,16 @@ async def test_plain_turns_keep_one_prefix(temporal_client: Client, pg_dsn: str,
         assert all(r["actual_input_tokens"] and r["actual_input_tokens"] <= r["estimated_tokens"] for r in records)
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.turns == 3 and state.metrics.prefix_hash_violations == 0
+        # Later requests are stored as what they added to the previous one; read back, they are whole.
+        raw = await store.pool.fetchval(
+            "SELECT body FROM rendered_requests WHERE sha256 = $1", results[2].plan.request_sha256
+        )
+        assert isinstance(raw, dict) and raw["keep"] > 0
+        whole = await store.get_request(results[2].plan.request_sha256)
+        prefix = await store.get_prefix(handle.id, 1)
+        assert len(whole["body"]) == results[2].plan.segments - len(prefix["prefix"]["segments"])
+        text = prefix["prefix"]["text"] + "".join(seg["text"] for seg in whole["body"])
+        assert hashlib.sha256(text.encode()).hexdigest() == results[2].plan.request_sha256
 
 
 async def test_tool_call_untrusted_result_and_revocation(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
