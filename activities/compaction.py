@@ -160,15 +160,7 @@ class CompactionActivities:
             elided_items=len(plan.pointers),
             summarizer_calls=len(rows),
         )
-        await self.session._event(
-            inp.session_id,
-            f"compaction_completed:{inp.checkpoint_id}",
-            EventType.COMPACTION_COMPLETED,
-            inp.turn,
-            inp.epoch,
-            outcome.model_dump(mode="json"),
-        )
-        return outcome
+        return await self._completed(inp, outcome)
 
     @activity.defn(name=names.ACTIVITY_COMPACTION_ESCALATE)
     async def escalate(self, inp: CompactionInput) -> CompactionOutcome:
@@ -198,15 +190,7 @@ class CompactionActivities:
             elided_items=len(checkpoint.pointers),
             reason=f"summary depth is capped at 2; child run from {inp.checkpoint_id}",
         )
-        await self.session._event(
-            inp.session_id,
-            f"compaction_completed:{inp.checkpoint_id}",
-            EventType.COMPACTION_COMPLETED,
-            inp.turn,
-            inp.epoch,
-            outcome.model_dump(mode="json"),
-        )
-        return outcome
+        return await self._completed(inp, outcome)
 
     @activity.defn(name=names.ACTIVITY_MEMORY_FORM)
     async def form_memories(self, inp: FormationInput) -> FormationResult:
@@ -258,6 +242,17 @@ class CompactionActivities:
             rejected=rejected,
         )
         return FormationResult(candidates=len(state.facts), written=written, rejected=rejected)
+
+    async def _completed(self, inp: CompactionInput, outcome: CompactionOutcome) -> CompactionOutcome:
+        await self.session._event(
+            inp.session_id,
+            f"compaction_completed:{inp.checkpoint_id}",
+            EventType.COMPACTION_COMPLETED,
+            inp.turn,
+            inp.epoch,
+            outcome.model_dump(mode="json"),
+        )
+        return outcome
 
     def all(self) -> list[Any]:
         return [self.plan, self.summarize, self.commit, self.escalate, self.form_memories]
