@@ -209,11 +209,6 @@ class SessionActivities:
             )
         return cache.prefixes[epoch]
 
-    async def _recall(self, scope: str, query: str | None, exclude: list[str]) -> list[Any]:
-        if not query:
-            return []
-        return await self.store.search_memories(scope, query, limit=10, exclude=exclude)
-
     async def _profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
         return base.model_copy(update={"calibration": learned}) if learned else base
@@ -375,28 +370,26 @@ class SessionActivities:
         inputs = ri.model_dump(mode="json")
         body_segments = plan.segments[len(prefix.segments) :]
         base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
-        _, hashes = await asyncio.gather(
-            self.store.put_request(
-                plan.request_sha256,
-                plan.prefix_sha256,
-                [cache.json_of(s) for s in body_segments[keep:]],
-                base=base,
-                keep=keep,
-            ),
-            self.store.record_request(
-                inp.session_id,
-                inp.turn,
-                inp.call_index,
-                epoch=inp.epoch,
-                prefix_sha256=plan.prefix_sha256,
-                request_sha256=plan.request_sha256,
-                estimated_tokens=plan.estimated_tokens,
-                raw_tokens=plan.raw_tokens,
-                plan=plan.summary().model_dump(mode="json"),
-                inputs=inputs,
-            ),
+        await self.store.put_request(
+            plan.request_sha256,
+            plan.prefix_sha256,
+            [cache.json_of(s) for s in body_segments[keep:]],
+            base=base,
+            keep=keep,
         )
         cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
+        hashes = await self.store.record_request(
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            epoch=inp.epoch,
+            prefix_sha256=plan.prefix_sha256,
+            request_sha256=plan.request_sha256,
+            estimated_tokens=plan.estimated_tokens,
+            raw_tokens=plan.raw_tokens,
+            plan=plan.summary().model_dump(mode="json"),
+            inputs=inputs,
+        )
         if len(hashes) > 1 and plan.prefix_sha256 != hashes[0]["prefix_sha256"]:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
             epoch_prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
@@ -450,22 +443,16 @@ class SessionActivities:
         estimator: TokenEstimator,
         user_item_id: str | None,
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
-        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
-        known = next((i for i in reversed(cache.items) if i.id == user_item_id), None) if user_item_id else None
-        query = inp.user_text if inp.user_text is not None else (known.body_text() if known is not None else None)
-        # Independent reads, concurrently: a build waits for about one round trip instead of five.
-        items, checkpoint_json, writes, correction_rows, recall_rows = await asyncio.gather(
-            self._items(inp.session_id, cache),
-            self.store.latest_checkpoint(inp.session_id),
-            self.store.working_state_writes(inp.session_id),
-            self.store.corrections(open_.memory_scope, snapshot_ids),
-            self._recall(open_.memory_scope, query, snapshot_ids),
-        )
-        if query is None:  # built on another worker than the turn's first request: the message is in the log now
-            user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
-            recall_rows = await self._recall(open_.memory_scope, user.body_text() if user else "", snapshot_ids)
+        items = await self._items(inp.session_id, cache)
+        checkpoint_json = await self.store.latest_checkpoint(inp.session_id)
         checkpoint = Checkpoint.model_validate(checkpoint_json) if checkpoint_json else None
+        writes = await self.store.working_state_writes(inp.session_id)
         ws = self._working_state(writes, estimator.counter.count, inp.turn + 1)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
+        query = user.body_text() if user is not None else ""
+        recall_rows = await self.store.search_memories(open_.memory_scope, query, limit=10, exclude=snapshot_ids)
+        correction_rows = await self.store.corrections(open_.memory_scope, snapshot_ids)
         ri = RequestInputs(
             turn=inp.turn,
             call_index=inp.call_index,
@@ -570,32 +557,15 @@ class SessionActivities:
                 }
             )
         await self.store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
-        # What is stored is the truth (a concurrent attempt may have won): read it back, with the calibration.
-        items, record, profile = await asyncio.gather(
-            self._items(inp.session_id, cache),
-            self.store.get_record(inp.session_id, inp.turn, inp.call_index),
-            self._profile(epoch_profile),
-        )
-        logged = [i for i in items if i.id.startswith(base)]
+        logged = [i for i in await self._items(inp.session_id, cache) if i.id.startswith(base)]
+        record = await self.store.get_record(inp.session_id, inp.turn, inp.call_index)
         assert record is not None
         actual = record["actual_input_tokens"]
+        profile = await self._profile(epoch_profile)
         learned, rec = reconcile(
             profile, raw_tokens=record["raw_tokens"], estimated_tokens=record["estimated_tokens"], actual_tokens=actual
         )
-        await asyncio.gather(
-            self.store.learn_calibration(profile.route, observed=rec.observed_ratio, first=learned.calibration),
-            self._record_reconciled(inp, rec, record, actual),
-        )
-        return _model_result(
-            logged,
-            actual,
-            record["cached_tokens"] or 0,
-            record["output_tokens"] or 0,
-            record["estimated_tokens"],
-            overrun=rec.overrun,
-        )
-
-    async def _record_reconciled(self, inp: ModelInput, rec: Any, record: Any, actual: int) -> None:
+        await self.store.learn_calibration(profile.route, observed=rec.observed_ratio, first=learned.calibration)
         await self._event(
             inp.session_id,
             f"reconciled:{inp.turn}:{inp.call_index}",
@@ -610,6 +580,14 @@ class SessionActivities:
                 if (inp.turn, inp.call_index) == (1, 0)
                 else min(record["plan"]["prefix_tokens"], actual),
             },
+        )
+        return _model_result(
+            logged,
+            actual,
+            record["cached_tokens"] or 0,
+            record["output_tokens"] or 0,
+            record["estimated_tokens"],
+            overrun=rec.overrun,
         )
 
     @activity.defn(name=names.ACTIVITY_TOOL)
