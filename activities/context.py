@@ -85,7 +85,8 @@ from ctxengine.events import EventType
 
 log = structlog.get_logger("ctxengine.activities")
 T = TypeVar("T")
-# Untrusted results larger than this live in an artifact; the log keeps the reference too.
+# Untrusted results longer than this (characters) also go to an artifact, so a pointer can always resolve to
+# the original bytes. 0: every untrusted result does.
 ARTIFACT_THRESHOLD = 0
 
 

@@ -350,7 +350,7 @@ def crafted_orphans() -> tuple[int, int]:
 
 async def gate_pairs(s: Stack) -> dict[str, Any]:
     """No orphaned call or result is ever sent (every stored request checked); crafted orphans are rejected."""
-    handle = await s.start(_open(budget={"context_window": 6_000, "output_reserve": 600}), "pairs")
+    handle = await s.start(_open(budget={"context_window": 8_000, "output_reserve": 600}), "pairs")
     for t in range(16):
         calls = [
             '/call web.fetch {"url": "fixture://long"}',

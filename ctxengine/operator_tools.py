@@ -12,8 +12,7 @@ from pydantic import ValidationError
 
 from activities.tokens import TiktokenCounter
 from core.build import PrefixInputs, open_prefix
-from core.errors import PrefixOverflowError
-from core.estimator import DEFAULT_PROFILES, ModelProfile, TokenEstimator
+from core.estimator import DEFAULT_PROFILES, TokenEstimator
 from core.items import BudgetClass, ToolDefinition
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
 from ctxengine.contract import ModelRoute, SessionOpen
@@ -144,5 +143,3 @@ def offending_lines(report: dict[str, Any]) -> list[str]:
                     lines.append(f"{cfg['config']} [{r['route']}]: {cls}: {row['tokens']:,} tokens, cap {row['cap']:,}")
     return lines
 
-
-_ = PrefixOverflowError, ModelProfile
