@@ -142,4 +142,3 @@ def offending_lines(report: dict[str, Any]) -> list[str]:
                 if row["tokens"] > row["cap"]:
                     lines.append(f"{cfg['config']} [{r['route']}]: {cls}: {row['tokens']:,} tokens, cap {row['cap']:,}")
     return lines
-
