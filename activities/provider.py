@@ -11,6 +11,7 @@ import json
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
@@ -98,6 +99,15 @@ _CONVERSATION = frozenset(
 )
 
 
+def extractive_summary(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
+    """The scripted summarizer: the first words of each line, cut until within `max_tokens`."""
+    lines = [" ".join(line.split()[:12]) for line in text.splitlines() if line.strip()]
+    summary = f"Summary of {len(lines)} earlier lines: " + " | ".join(lines)
+    while count(summary) > max_tokens and len(summary) > 40:
+        summary = summary[: int(len(summary) * 0.8)] + "…"
+    return summary
+
+
 class ScriptedProvider:
     """Deterministic offline model. Its script is the user's text:
 
@@ -172,10 +182,7 @@ class ScriptedProvider:
         delay = _SLEEP.search(request.text)
         if delay:
             await asyncio.sleep(min(float(delay.group(1)), MAX_SCRIPTED_SLEEP))
-        lines = [" ".join(line.split()[:12]) for line in request.text.splitlines() if line.strip()]
-        summary = f"Summary of {len(lines)} earlier lines: " + " | ".join(lines)
-        while self.counter.count(summary) > request.max_tokens and len(summary) > 40:
-            summary = summary[: int(len(summary) * 0.8)] + "…"
+        summary = extractive_summary(request.text, request.max_tokens, self.counter.count)
         return ProviderReply(
             text=summary,
             usage=ProviderUsage(

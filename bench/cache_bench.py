@@ -47,12 +47,12 @@ from typing import Any
 
 from activities.anthropic_provider import render_messages_request
 from activities.openai_provider import render_chat_request
-from activities.provider import ProviderRequest, ProviderSegment
+from activities.provider import ProviderRequest, ProviderSegment, extractive_summary
 from activities.tokens import TiktokenCounter
 from bench.build_bench import TextGen, assistant_text, region_a, user_text
 from core.budget import ContextBudget
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
-from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction
+from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction, summary_line
 from core.estimator import ModelProfile, TokenEstimator
 from core.items import (
     AssistantMessage,
@@ -354,27 +354,6 @@ class View:
     force_compaction: bool
 
 
-def summarize(text: str, max_tokens: int, count: Any) -> str:
-    """Deterministic extractive summary (the scripted provider's): the first words of each line, capped."""
-    lines = [" ".join(line.split()[:12]) for line in text.splitlines() if line.strip()]
-    summary = f"Summary of {len(lines)} earlier lines: " + " | ".join(lines)
-    while count(summary) > max_tokens and len(summary) > 40:
-        summary = summary[: int(len(summary) * 0.8)] + "…"
-    return summary
-
-
-def _item_text(item: HistoryItem) -> str:
-    if isinstance(item, UserMessage):
-        return f"user: {item.text}"
-    if isinstance(item, AssistantMessage):
-        return f"assistant: {item.text}"
-    if isinstance(item, ToolCall):
-        return f"assistant called {item.tool_name}: {item.body_text()}"
-    if isinstance(item, ToolResult):
-        return f"{item.tool_name} returned: {item.content}"
-    return item.body_text()
-
-
 class Assembler:
     name = ""
     history_cache = False  # Anthropic: breakpoint at the end of the history as well as the system prompt
@@ -464,7 +443,7 @@ class CtxEngine(Assembler):
                 count=count,
             )
         else:
-            summaries = [summarize(c.text, SUMMARY_TOKENS, count) for c in plan.chunks]
+            summaries = [extractive_summary(c.text, SUMMARY_TOKENS, count) for c in plan.chunks]
             self.summarizer_input_tokens += sum(c.raw_tokens + SUMMARY_PROMPT_TOKENS for c in plan.chunks)
             parts = ([plan.previous_summary] if plan.previous_summary else []) + summaries
             checkpoint = Checkpoint(
@@ -568,7 +547,7 @@ class SummarizeAll(Assembler):
         folded = [h for h in view.log if self.covered < h.seq < upto]
         if not folded:
             raise RuntimeError(f"turn {view.turn}: over budget and nothing to fold")
-        text = "\n".join(([self.summary.text] if self.summary else []) + [_item_text(h) for h in folded])
+        text = "\n".join(([self.summary.text] if self.summary else []) + [summary_line(h) for h in folded])
         self.summarizer_input_tokens += count(text) + SUMMARY_PROMPT_TOKENS
         self.covered = folded[-1].seq
         self.compactions += 1
@@ -578,7 +557,7 @@ class SummarizeAll(Assembler):
             checkpoint_id=f"summary.{self.compactions}",
             depth=1,
             covers_to_seq=self.covered,
-            text=summarize(text, SUMMARIZE_ALL_SUMMARY_TOKENS, count),
+            text=extractive_summary(text, SUMMARIZE_ALL_SUMMARY_TOKENS, count),
         )
 
     def segments(self, view: View) -> list[Segment]:

@@ -162,7 +162,8 @@ def apply_checkpoint(history: Sequence[HistoryItem], checkpoint: Checkpoint | No
     return head + [item for item in history if item.seq > checkpoint.covers_to_seq]
 
 
-def _text_of(item: HistoryItem) -> str:
+def summary_line(item: HistoryItem) -> str:
+    """How a trusted item reads in a summarizer's input."""
     if isinstance(item, UserMessage):
         return f"user: {item.text}"
     if isinstance(item, AssistantMessage):
@@ -235,7 +236,7 @@ def plan_compaction(
         if item.trust not in SUMMARIZABLE:
             pointers.append(_elide(item, count))
             continue
-        for piece in _pieces(_text_of(item), count, chunk_tokens):
+        for piece in _pieces(summary_line(item), count, chunk_tokens):
             tokens = count(piece)
             if buf_tokens + tokens > chunk_tokens:
                 flush()

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import asyncpg
@@ -58,22 +59,29 @@ async def pg_server(ctxengine_test_home: Path) -> AsyncIterator[str]:
         yield dsn
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def pg_dsn(pg_server: str) -> AsyncIterator[str]:
-    """DSN of a fresh database created for this test (dropped afterwards, best effort)."""
-    name = f"test_{uuid.uuid4().hex}"
-    conn = await asyncpg.connect(pg_server)
+@asynccontextmanager
+async def fresh_database(server_dsn: str, prefix: str = "test") -> AsyncIterator[str]:
+    """A new empty database on `server_dsn`, dropped afterwards (best effort); yields its DSN."""
+    name = f"{prefix}_{uuid.uuid4().hex}"
+    conn = await asyncpg.connect(server_dsn)
     try:
         await conn.execute(f'CREATE DATABASE "{name}"')
     finally:
         await conn.close()
-    yield dsn_with_database(pg_server, name)
+    yield dsn_with_database(server_dsn, name)
     with contextlib.suppress(OSError, asyncpg.PostgresError):
-        conn = await asyncpg.connect(pg_server, timeout=5)
+        conn = await asyncpg.connect(server_dsn, timeout=5)
         try:
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await conn.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def pg_dsn(pg_server: str) -> AsyncIterator[str]:
+    """DSN of a fresh database created for this test (dropped afterwards, best effort)."""
+    async with fresh_database(pg_server) as dsn:
+        yield dsn
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 import pytest_asyncio
 from temporalio.client import Client
 
 from bench import turns_bench as tb
-from ctxengine.embedded import dsn_with_database
+from tests.conftest import fresh_database
 
 pytestmark = pytest.mark.integration
 
@@ -35,19 +32,8 @@ VERDICTS = ("meets_overhead_target", "meets_throughput_target", "meets_growth_ta
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def bench_dsn(pg_server: str) -> AsyncIterator[str]:
     """A fresh database for the module (pg_dsn is per test; the bench runs once for the module)."""
-    name = f"test_bench_{uuid.uuid4().hex}"
-    conn = await asyncpg.connect(pg_server)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    yield dsn_with_database(pg_server, name)
-    with contextlib.suppress(OSError, asyncpg.PostgresError):
-        conn = await asyncpg.connect(pg_server, timeout=5)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
+    async with fresh_database(pg_server, "test_bench") as dsn:
+        yield dsn
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
