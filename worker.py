@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import structlog
@@ -24,12 +24,13 @@ from temporalio.runtime import (
     TelemetryConfig,
     TelemetryFilter,
 )
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
 from activities.compaction import CompactionActivities
 from activities.context import SessionActivities
-from activities.provider import build_providers
+from activities.provider import ModelProvider, build_providers
 from activities.store import Store
+from activities.tools import Executor
 from ctxengine import names
 from workflows.child_run import ChildRunWorkflow
 from workflows.compaction import CompactionWorkflow
@@ -99,15 +100,24 @@ async def running_worker(
     task_queue: str = names.TASK_QUEUE,
     max_cached_workflows: int = 1_000,
     fault_prefix_timestamp: bool | None = None,
+    providers: Mapping[str, ModelProvider] | None = None,
+    executors: Mapping[str, Executor] | None = None,
+    activities_class: type[SessionActivities] = SessionActivities,
+    interceptors: Sequence[Interceptor] = (),
 ) -> AsyncIterator[Worker]:
-    """A started worker with every workflow and activity registered; stopped on exit."""
+    """A started worker with every workflow and activity registered; stopped on exit.
+
+    `providers`, `executors`, `activities_class` and `interceptors` are how the development harness registers
+    its adversarial models, tools and faults (production passes none of them).
+    """
     if fault_prefix_timestamp is None:
         fault_prefix_timestamp = os.environ.get("CTXENGINE_FAULT_PREFIX_TIMESTAMP") == "1"
-    activities = SessionActivities(
+    activities = activities_class(
         store,
-        build_providers(),
+        {**build_providers(), **(providers or {})},
         search_attributes=await search_attributes_registered(client),
         fault_prefix_timestamp=fault_prefix_timestamp,
+        executors=executors,
     )
     worker = Worker(
         client,
@@ -115,6 +125,7 @@ async def running_worker(
         workflows=WORKFLOWS,
         activities=[*activities.all(), *CompactionActivities(activities).all()],
         max_cached_workflows=max_cached_workflows,
+        interceptors=interceptors,
     )
     async with worker:
         yield worker

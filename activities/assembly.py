@@ -43,6 +43,7 @@ class RequestInputs(BaseModel):
     recall: list[StoredMemory] = Field(default_factory=list)
     corrections: list[StoredMemory] = Field(default_factory=list)
     working_state: str = ""
+    working_state_tainted: bool = False  # some entry was written with untrusted content in view
     now_iso: str
     profile: ModelProfile
     budget: ContextBudget
@@ -64,14 +65,18 @@ def body_inputs(items: Sequence[HistoryItem], checkpoint: Checkpoint | None, ri:
         turn_start_seq=turn_start,
         current=current,
         recall=[
-            RecallItem(id=f"recall.{m.memory_id}", memory_id=m.memory_id, rank=rank, text=m.text, trust=m.trust)
+            RecallItem(id=f"recall.{m.memory_id}", memory_id=m.memory_id, rank=rank, text=m.text)
             for rank, m in enumerate(ri.recall)
         ],
         corrections=[
-            CorrectionLine(id=f"correction.{m.memory_id}", memory_id=m.corrects or "", text=m.text, trust=m.trust)
+            CorrectionLine(id=f"correction.{m.memory_id}", memory_id=m.corrects or "", text=m.text)
             for m in ri.corrections
         ],
-        working_state=WorkingStateBlock(id=WORKING_STATE_ID, text=ri.working_state) if ri.working_state else None,
+        working_state=WorkingStateBlock(
+            id=WORKING_STATE_ID, text=ri.working_state, holds_tainted=ri.working_state_tainted
+        )
+        if ri.working_state
+        else None,
         turn_context=TurnContext(
             id=f"clock.{ri.turn}.{ri.call_index}", text=f"Current date and time (UTC): {ri.now_iso}"
         ),

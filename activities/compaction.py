@@ -58,6 +58,7 @@ class CompactionActivities:
         open_, (cache, counter, _) = await self._context(inp.session_id)
         prefix, profile = await self.session._prefix(inp.session_id, inp.epoch, cache)
         items = await self.session._items(inp.session_id, cache)
+        secret = cache.secret
         current_json = await self.store.latest_checkpoint(inp.session_id)
         current = Checkpoint.model_validate(current_json) if current_json else None
         budget = open_.context_budget(profile)
@@ -68,6 +69,7 @@ class CompactionActivities:
             keep_from_seq=inp.keep_from_seq,
             count=counter.count,
             chunk_tokens=self._chunk_tokens(profile.context_window),
+            secret=secret,
             summary_budget=max(200, body // 5),  # the summary may take a fifth of the body, never more
         )
         stored = CompactionPlan.model_validate(
@@ -150,6 +152,7 @@ class CompactionActivities:
             covers_to_seq=plan.covers_to_seq,
             summary="\n".join(parts),
             pointers=plan.pointers,
+            tainted=plan.previous_tainted or any(c.tainted for c in plan.chunks),
         )
         await self.store.put_checkpoint(inp.session_id, checkpoint.model_dump(mode="json"))
         outcome = CompactionOutcome(
@@ -211,7 +214,7 @@ class CompactionActivities:
                 continue
             text = fact.text.strip()
             gate, reason = None, "accepted"
-            if fact.derived_from_untrusted:
+            if fact.tainted:
                 gate, reason = "untrusted", "derived from untrusted content: the write ban applies"
             elif not MIN_FACT_CHARS <= len(text) <= MAX_FACT_CHARS:
                 gate, reason = "length", f"{len(text)} characters, outside {MIN_FACT_CHARS}..{MAX_FACT_CHARS}"

@@ -11,7 +11,7 @@ import asyncio
 import operator
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
-from activities.tools import EXECUTORS
+from activities.tools import EXECUTORS, Executor
 from core.build import (
     BodyInputs,
     FrozenPrefix,
@@ -38,7 +38,7 @@ from core.build import (
     open_prefix,
 )
 from core.compaction import Checkpoint
-from core.errors import ContextError, PrefixOverflowError
+from core.errors import ContextError, PrefixOverflowError, ToolTrustCeilingError
 from core.estimator import ModelProfile, TokenEstimator, reconcile
 from core.explain import first_difference
 from core.items import (
@@ -52,6 +52,7 @@ from core.items import (
     parse_history_item,
 )
 from core.plan import ContextPlan, Segment
+from core.policy import result_trust
 from core.rendering import ESCAPING_FINGERPRINT, escape_content
 from core.working_state import (
     CONTROL_TOOL_DESCRIPTION,
@@ -62,6 +63,7 @@ from core.working_state import (
     apply,
     control_tool_schema,
     fold,
+    holds_tainted,
     render,
 )
 from ctxengine import names
@@ -158,8 +160,10 @@ class SessionActivities:
         search_attributes: bool = False,
         max_sessions_cached: int = 512,
         fault_prefix_timestamp: bool = False,
+        executors: Mapping[str, Executor] | None = None,
     ) -> None:
         self.fault_prefix_timestamp = fault_prefix_timestamp
+        self.executors = EXECUTORS if executors is None else executors
         self.store = store
         self.providers = providers
         self.search_attributes = search_attributes
@@ -168,6 +172,10 @@ class SessionActivities:
         self._max_sessions = max_sessions_cached
 
     # ------------------------------------------------------------ helpers
+    def reply_tainted(self, plan: dict[str, Any]) -> bool:
+        """Whether a reply to the request planned as `plan` is tainted: untrusted content was in its view."""
+        return bool(plan.get("untrusted_in_view", False))
+
     def counter(self, encoding: str) -> TiktokenCounter:
         if encoding not in self._counters:
             self._counters[encoding] = TiktokenCounter(encoding)
@@ -264,12 +272,7 @@ class SessionActivities:
             )
         )
         snapshot = [
-            MemorySnapshotEntry(
-                id=f"memory.{r['memory_id']}",
-                memory_id=r["memory_id"],
-                text=r["text"],
-                trust=TrustLevel(r["trust"]),
-            )
+            MemorySnapshotEntry(id=f"memory.{r['memory_id']}", memory_id=r["memory_id"], text=r["text"])
             for r in await self.store.snapshot_memories(inp.open.memory_scope, budget.memory_snapshot_max_items)
         ]
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
@@ -466,6 +469,7 @@ class SessionActivities:
                 for r in correction_rows
             ],
             working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            working_state_tainted=holds_tainted(ws),
             now_iso=inp.now_iso,
             profile=estimator.profile,
             budget=open_.context_budget(estimator.profile),
@@ -541,15 +545,26 @@ class SessionActivities:
             cached=reply.usage.cached_tokens,
             output=reply.usage.output_tokens,
         )
+        # Everything the model wrote in reply to a request with untrusted content in view may repeat or obey it.
+        tainted = self.reply_tainted(record["plan"])
         new_items: list[dict[str, Any]] = []
         if reply.text:
-            new_items.append({"id": f"{base}text", "kind": "assistant_message", "trust": "MODEL", "text": reply.text})
+            new_items.append(
+                {
+                    "id": f"{base}text",
+                    "kind": "assistant_message",
+                    "trust": "MODEL",
+                    "tainted": tainted,
+                    "text": reply.text,
+                }
+            )
         for j, call in enumerate(reply.tool_calls):
             new_items.append(
                 {
                     "id": f"{base}call{j}",
                     "kind": "tool_call",
                     "trust": "MODEL",
+                    "tainted": tainted,
                     # Our own id, unique in the session: some servers reuse `call_0` in every reply, and a
                     # reused id would pair the wrong halves. Adapters send this id back on the wire.
                     "call_id": f"call_t{inp.turn}_m{inp.call_index}_{j}",
@@ -601,7 +616,10 @@ class SessionActivities:
         ws_text: str | None = None
         if isinstance(done, ToolResult):
             return _summary(done, self.counter("cl100k_base").count(done.content), None)
-        content, trust, is_error, artifact = await self._run_tool(inp, open_, items)
+        call_item = next((i for i in items if i.id == inp.call.item_id), None)
+        # A result inherits its call's taint: a tool can store and return text the model chose (notes.save).
+        tainted = call_item.tainted if call_item is not None else True
+        content, trust, is_error, artifact = await self._run_tool(inp, open_, items, tainted=tainted)
         if inp.call.name == CONTROL_TOOL_NAME and not is_error:
             writes = await self.store.working_state_writes(inp.session_id)
             ws_text = render(self._working_state(writes, self.counter("cl100k_base").count, inp.turn + 1))
@@ -613,6 +631,7 @@ class SessionActivities:
                     "id": result_id,
                     "kind": "tool_result",
                     "trust": trust.value,
+                    "tainted": tainted,
                     "call_id": inp.call.call_id,
                     "tool_name": inp.call.name,
                     "content": content,
@@ -626,12 +645,12 @@ class SessionActivities:
         return _summary(stored, self.counter("cl100k_base").count(stored.content), ws_text)
 
     async def _run_tool(
-        self, inp: ToolInput, open_: SessionOpen, items: list[HistoryItem]
+        self, inp: ToolInput, open_: SessionOpen, items: list[HistoryItem], *, tainted: bool
     ) -> tuple[str, TrustLevel, bool, str | None]:
         if not inp.allowed:
             return f"error: call denied by policy: {inp.denial}", TrustLevel.TOOL, True, None
         if inp.call.name == CONTROL_TOOL_NAME:
-            return await self._update_working_state(inp, items)
+            return await self._update_working_state(inp, tainted=tainted)
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
             return (
@@ -657,7 +676,7 @@ class SessionActivities:
                 True,
                 None,
             )
-        executor = EXECUTORS.get(inp.call.name)
+        executor = self.executors.get(inp.call.name)
         if executor is None:
             return (
                 f"error: no executor for tool {inp.call.name!r} on this worker",
@@ -670,15 +689,25 @@ class SessionActivities:
         except Exception as exc:
             log.warning("tool.failed", session_id=inp.session_id, turn=inp.turn, tool=inp.call.name, error=repr(exc))
             return f"error: tool {inp.call.name!r} failed: {type(exc).__name__}: {exc}", TrustLevel.TOOL, True, None
+        try:
+            trust = result_trust(inp.call.name, claimed=out.trust, ceiling=TrustLevel(spec.max_trust))
+        except ToolTrustCeilingError as exc:
+            await self._event(
+                inp.session_id,
+                f"trust_refused:{inp.call.item_id}",
+                EventType.TOOL_TRUST_REFUSED,
+                inp.turn,
+                inp.epoch,
+                {"tool": exc.tool, "claimed": exc.claimed, "ceiling": exc.ceiling, "call": inp.call.item_id},
+            )
+            return f"error: {exc}", TrustLevel.TOOL, True, None
         content, artifact = out.content, None
         limit = await self._result_limit(inp, open_)
         count = self.counter("cl100k_base").count
         # Measured as rendered: escaping (markup above all) can double a page's token count.
         rendered_tokens = count(escape_content(content))
-        if rendered_tokens > limit or (
-            out.trust is TrustLevel.EXTERNAL_UNTRUSTED and len(content) > ARTIFACT_THRESHOLD
-        ):
-            artifact = "artifact:" + await self.store.put_artifact(inp.session_id, content, trust=out.trust.value)
+        if rendered_tokens > limit or (trust is TrustLevel.EXTERNAL_UNTRUSTED and len(content) > ARTIFACT_THRESHOLD):
+            artifact = "artifact:" + await self.store.put_artifact(inp.session_id, content, trust=trust.value)
         if rendered_tokens > limit:
             # An active pair never yields, so a result that could never fit is cut here, at write time: the
             # head stays (same trust level), the whole is one reference away.
@@ -688,7 +717,7 @@ class SessionActivities:
             content = (
                 f"{content[:keep]}\n[truncated: {rendered_tokens:,} tokens in all; the full result is at {artifact}]"
             )
-        return content, out.trust, out.is_error, artifact
+        return content, trust, out.is_error, artifact
 
     async def _result_limit(self, inp: ToolInput, open_: SessionOpen) -> int:
         """The most one tool result may hold: the tool-results share of the body this epoch leaves."""
@@ -699,9 +728,7 @@ class SessionActivities:
         body = budget.input_limit - estimator.prefix_tokens(prefix.raw_tokens, prefix.tool_count)
         return max(64, budget.tool_results_cap(body))
 
-    async def _update_working_state(
-        self, inp: ToolInput, items: list[HistoryItem]
-    ) -> tuple[str, TrustLevel, bool, str | None]:
+    async def _update_working_state(self, inp: ToolInput, *, tainted: bool) -> tuple[str, TrustLevel, bool, str | None]:
         try:
             update = WorkingStateUpdate.model_validate(inp.call.arguments)
         except ValueError as exc:
@@ -713,7 +740,7 @@ class SessionActivities:
         estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
         writes = await self.store.working_state_writes(inp.session_id)
         state = self._working_state(writes, estimator.counter.count, inp.turn + 1)
-        untrusted = await self._untrusted_in_view(inp, items)
+        untrusted = tainted  # the call was written with untrusted content in view: so is every entry it adds
         try:
             # Measured as build() will count the block, so an accepted write always fits its cap.
             apply(
@@ -739,23 +766,6 @@ class SessionActivities:
             inp.session_id, inp.call.item_id, inp.turn, write.model_dump(mode="json")
         )
         return "working state updated", TrustLevel.TOOL, False, None
-
-    async def _untrusted_in_view(self, inp: ToolInput, items: list[HistoryItem]) -> bool:
-        """Whether untrusted text was in the request that produced this call, or anywhere in the session's log.
-
-        A fact written then may derive from it, so it is marked and never reaches memory formation.
-        """
-        # Sticky: once untrusted content entered the session, a later assistant message may paraphrase it
-        # (and a pointer or summary hides where from), so every later fact counts as possibly derived from it.
-        if any(isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED for i in items):
-            return True
-        call_index = int(inp.call.item_id.split(".")[1].removeprefix("m"))
-        record = await self.store.get_record(inp.session_id, inp.turn, call_index)
-        if record is None:
-            return True  # cannot tell: assume the worst
-        request = await self.store.get_request(record["request_sha256"])
-        body = request["body"] if request is not None else []
-        return any(s["trust"] == TrustLevel.EXTERNAL_UNTRUSTED.value and s["kind"] == "tool_result" for s in body)
 
     @activity.defn(name=names.ACTIVITY_WRITE_MEMORY)
     async def write_memory(self, inp: MemoryInput) -> MemoryResult:

@@ -13,6 +13,8 @@ from typing import Any
 import asyncpg
 
 from activities.migrations import MIGRATIONS
+from core.compaction import run_trust
+from core.items import parse_history_item
 
 _MIGRATION_LOCK = 727_020  # advisory lock id: two workers starting at once migrate one after the other
 
@@ -49,7 +51,10 @@ SELECT summary FROM summarizer_calls WHERE session_id = $1 AND checkpoint_id = $
 SQL_SUMMARIES = """
 SELECT chunk_index, input, summary FROM summarizer_calls WHERE session_id = $1 AND checkpoint_id = $2
 ORDER BY chunk_index"""
-SQL_ALL_SUMMARIZER_INPUTS = "SELECT checkpoint_id, chunk_index, input FROM summarizer_calls WHERE session_id = $1"
+SQL_ITEMS_IN_RANGE = "SELECT payload FROM items WHERE session_id = $1 AND seq BETWEEN $2 AND $3 ORDER BY seq"
+SQL_ALL_SUMMARIZER_INPUTS = (
+    "SELECT checkpoint_id, chunk_index, input, summary FROM summarizer_calls WHERE session_id = $1"
+)
 SQL_CHECKPOINTS = "SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY created_at, checkpoint_id"
 SQL_PUT_CANDIDATE = """
 INSERT INTO memory_candidates (session_id, fact_id, text, accepted, gate, reason, memory_id)
@@ -249,7 +254,14 @@ class Store:
                 raise LookupError(f"no item {key!r} in session {session_id!r}")
             text = payload.get("content", payload.get("text", ""))
             return str(text), str(payload["trust"])
-        raise LookupError(f"unknown reference form {reference!r} (expected artifact:SHA or item:ID)")
+        if kind == "span":
+            first, _, last = key.partition("-")
+            rows = await self.pool.fetch(SQL_ITEMS_IN_RANGE, session_id, int(first), int(last))
+            if not rows:
+                raise LookupError(f"no items {key!r} in session {session_id!r}")
+            items = [parse_history_item(r["payload"]) for r in rows]
+            return "\n".join(i.body_text() for i in items), run_trust(items).value
+        raise LookupError(f"unknown reference form {reference!r} (expected artifact:SHA, item:ID or span:SEQ-SEQ)")
 
     # ------------------------------------------------------------ compaction
     async def put_compaction_plan(self, session_id: str, checkpoint_id: str, plan: dict[str, Any]) -> dict[str, Any]:

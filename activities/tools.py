@@ -71,7 +71,9 @@ async def clock_wait(args: dict[str, Any]) -> ToolOutput:
     return ToolOutput(content=f"waited {seconds:g} s", trust=TrustLevel.TOOL)
 
 
-EXECUTORS: dict[str, Callable[[dict[str, Any]], Awaitable[ToolOutput]]] = {
+Executor = Callable[[dict[str, Any]], Awaitable[ToolOutput]]
+
+EXECUTORS: dict[str, Executor] = {
     "web.fetch": web_fetch,
     "notes.save": notes_save,
     "clock.wait": clock_wait,
@@ -81,6 +83,7 @@ DEMO_TOOLS: list[dict[str, Any]] = [
     {
         "name": "web.fetch",
         "description": "Fetch a web page. Its content is external and untrusted.",
+        "max_trust": "EXTERNAL_UNTRUSTED",
         "input_schema": {
             "type": "object",
             "properties": {"url": {"type": "string"}},

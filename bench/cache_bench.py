@@ -52,7 +52,7 @@ from activities.tokens import TiktokenCounter
 from bench.build_bench import TextGen, assistant_text, region_a, user_text
 from core.budget import ContextBudget
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
-from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction, summary_line
+from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction
 from core.estimator import ModelProfile, TokenEstimator
 from core.items import (
     AssistantMessage,
@@ -428,6 +428,7 @@ class CtxEngine(Assembler):
             keep_from_seq=view.user.seq,
             count=count,
             chunk_tokens=max(512, min(8_000, self.budget.context_window // 4)),
+            secret=SECRET,
         )
         checkpoint_id = f"cp-{len(self.checkpoints) + 1}"
         if plan.decision is CompactionDecision.NOTHING_TO_COMPACT:
@@ -547,7 +548,7 @@ class SummarizeAll(Assembler):
         folded = [h for h in view.log if self.covered < h.seq < upto]
         if not folded:
             raise RuntimeError(f"turn {view.turn}: over budget and nothing to fold")
-        text = "\n".join(([self.summary.text] if self.summary else []) + [summary_line(h) for h in folded])
+        text = "\n".join(([self.summary.text] if self.summary else []) + [_role_line(h) for h in folded])
         self.summarizer_input_tokens += count(text) + SUMMARY_PROMPT_TOKENS
         self.covered = folded[-1].seq
         self.compactions += 1
@@ -580,6 +581,19 @@ class SummarizeAll(Assembler):
     def _fits(self, body: list[Segment], room: int = 0) -> bool:
         estimate = self.estimate(self.prefix.raw_tokens + room, self.prefix.tool_count, body)
         return estimate <= self.budget.input_limit
+
+
+def _role_line(item: HistoryItem) -> str:
+    """How the summarize-everything baseline feeds its summarizer: plain role lines, as such compactors do."""
+    if isinstance(item, UserMessage):
+        return f"user: {item.text}"
+    if isinstance(item, AssistantMessage):
+        return f"assistant: {item.text}"
+    if isinstance(item, ToolCall):
+        return f"assistant called {item.tool_name}: {item.body_text()}"
+    if isinstance(item, ToolResult):
+        return f"{item.tool_name} returned: {item.content}"
+    return item.body_text()
 
 
 def _drop_oldest_turn(history: list[HistoryItem], active_seq: int) -> list[HistoryItem]:

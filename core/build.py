@@ -24,6 +24,7 @@ from core.budget import ContextBudget
 from core.compaction import Checkpoint, apply_checkpoint
 from core.errors import NonYieldableOverflowError, PrefixOverflowError
 from core.estimator import TokenEstimator
+from core.item_rendering import render_item, source_of
 from core.items import (
     AgentInstructions,
     BudgetClass,
@@ -36,16 +37,14 @@ from core.items import (
     PlatformPolicy,
     RecallItem,
     Region,
-    ToolCall,
     ToolDefinition,
     ToolResult,
-    TrustLevel,
     TurnContext,
     WorkingStateBlock,
 )
 from core.order import assembly_order
 from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
-from core.rendering import ESCAPING_FINGERPRINT, FRAMING_TEXT, derive_nonce, render_envelope
+from core.rendering import ESCAPING_FINGERPRINT, FRAMING_TEXT
 from core.validation import PairState, validate_pairs
 from core.working_state import CONTROL_TOOL_NAME
 
@@ -96,19 +95,6 @@ class BodyInputs(BaseModel):
     turn_context: TurnContext | None = None
 
 
-def source_of(item: Item) -> str:
-    """The attribution an envelope carries."""
-    if isinstance(item, ToolResult | ToolCall):
-        return f"{item.kind}:{item.tool_name}"
-    if isinstance(item, ElidedSpan) and item.tool_name:
-        return f"{item.kind}:{item.tool_name}"
-    if isinstance(item, ToolDefinition):
-        return f"tool_definition:{item.name}"
-    if isinstance(item, MemorySnapshotEntry | RecallItem | CorrectionLine):
-        return f"{item.kind}:{item.memory_id}"
-    return item.kind
-
-
 def counter_key(estimator: TokenEstimator) -> str:
     """What a cached count depends on: the tokenizer (its name, or its identity when it has none)."""
     name = getattr(estimator.counter, "name", None)
@@ -122,19 +108,6 @@ def measure_working_state(text: str, *, estimator: TokenEstimator, secret: bytes
     """
     rendered = render_item(WorkingStateBlock(id=WORKING_STATE_ID, text=text), secret)
     return math.ceil((estimator.count(rendered) + estimator.profile.per_message_tokens) * estimator.body_unit())
-
-
-def render_item(item: Item, secret: bytes) -> str:
-    """Platform text renders as is; every other trust level inside a nonced, attributed envelope."""
-    if item.trust is TrustLevel.PLATFORM:
-        return item.body_text() + "\n"
-    return render_envelope(
-        item.body_text(),
-        nonce=derive_nonce(secret, item.id),
-        source=source_of(item),
-        trust=item.trust.value,
-        item_id=item.id,
-    )
 
 
 class HistoryScan:
@@ -264,6 +237,7 @@ class RenderCache:
             text=text,
             raw_tokens=estimator.count(text),
             call_id=getattr(item, "call_id", None),
+            taints=item.taints_view(),
         )
         self._entries[item.id] = (item, seg)
         return seg
@@ -522,6 +496,7 @@ def build(
         body_tokens=body_tokens,
         tokens_by_class=tokens_by_class,
         yields=yields,
+        untrusted_in_view=any(s.taints for s in body_segments),
     )
 
 

@@ -1,7 +1,9 @@
 """Compaction policy, pure (ADR-0020 decision 12). The Temporal side only runs what this decides.
 
-Compaction touches Region B history only. The summarizer sees trusted content only; every untrusted span
-becomes a typed pointer (trust level, size, reference), never a paraphrase. Depth is capped at 2: past it
+Compaction touches Region B history only. The summarizer sees trusted, untainted content only, each item in
+its envelope exactly as the rendering contract writes it (no bare role lines it could forge); every untrusted
+span, and everything the model wrote while untrusted content was in view (tainted, docs/trust.md), becomes a
+typed pointer (trust level, provenance, size, reference), never a paraphrase. Depth is capped at 2: past it
 the run escalates to a child run instead of compressing a summary of a summary of a summary.
 """
 
@@ -13,21 +15,27 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.item_rendering import render_text_as
 from core.items import (
-    AssistantMessage,
     CheckpointSummary,
     ElidedSpan,
     HistoryItem,
     ToolCall,
     ToolResult,
     TrustLevel,
-    UserMessage,
 )
 
 MAX_SUMMARY_DEPTH = 2
 MAX_ESCALATION_POINTERS = 20
-# Trust levels whose text a summarizer may read. Anything else is elided to a pointer.
+# Trust levels whose text a summarizer may read, when untainted. Anything else is elided to a pointer.
 SUMMARIZABLE = frozenset({TrustLevel.PLATFORM, TrustLevel.OPERATOR, TrustLevel.USER, TrustLevel.MODEL, TrustLevel.TOOL})
+# Room left in a chunk for the envelope around a cut piece (opener, closer, attributes).
+_ENVELOPE_TOKENS = 64
+
+
+def summarizable(item: HistoryItem) -> bool:
+    """Whether a summarizer may read `item`: a trusted level and not written with untrusted content in view."""
+    return item.trust in SUMMARIZABLE and not item.tainted and not isinstance(item, ElidedSpan)
 
 
 class Checkpoint(BaseModel):
@@ -44,6 +52,8 @@ class Checkpoint(BaseModel):
     covers_to_seq: int = Field(ge=0)
     summary: str
     pointers: list[ElidedSpan] = Field(default_factory=list)
+    # The provenance of the summary's inputs: tainted if any summarized item was (never, under this policy).
+    tainted: bool = False
 
 
 class CompactionDecision(StrEnum):
@@ -53,13 +63,14 @@ class CompactionDecision(StrEnum):
 
 
 class SummaryChunk(BaseModel):
-    """Trusted text for one summarizer call, bounded so compaction works when the context is full."""
+    """Enveloped trusted items for one summarizer call, bounded so compaction works when the context is full."""
 
     model_config = ConfigDict(frozen=True)
 
     item_ids: list[str]
     text: str
     raw_tokens: int
+    tainted: bool = False
 
 
 class CompactionPlan(BaseModel):
@@ -73,6 +84,7 @@ class CompactionPlan(BaseModel):
     chunks: list[SummaryChunk] = Field(default_factory=list)
     pointers: list[ElidedSpan] = Field(default_factory=list)
     previous_summary: str | None = None
+    previous_tainted: bool = False
     summary_tokens_per_chunk: int = 300
     reason: str = ""
 
@@ -104,12 +116,7 @@ def escalation_checkpoint(
     (with the earlier ones); trusted items there, and the earlier checkpoints, are named by reference.
     """
     span = [i for i in history if current.covers_to_seq < i.seq < keep_from_seq]
-    pointers = list(current.pointers)
-    for item in span:
-        if item.trust not in SUMMARIZABLE and not isinstance(item, ElidedSpan):
-            pointers.append(_elide(item, count))
-        elif isinstance(item, ElidedSpan):
-            pointers.append(item)
+    pointers = [*current.pointers, *elide_runs(span, count)]
     # A fresh body stays small: the newest pointers only; older ones stay listed in the ancestors.
     pointers = pointers[-MAX_ESCALATION_POINTERS:]
     refs = ", ".join(f"checkpoint:{a}" for a in ancestors)
@@ -130,10 +137,52 @@ def escalation_checkpoint(
     )
 
 
+def elide_runs(span: Sequence[HistoryItem], count: Callable[[str], int]) -> list[ElidedSpan]:
+    """One typed pointer per run of consecutive items a summarizer may not read (ElidedSpans pass through).
+
+    A page, the model's reply quoting it and the calls it made in that state are one span, so an
+    untrusted-heavy session keeps a pointer per run, not per item: pointers too take room in every request.
+    """
+    pointers: list[ElidedSpan] = []
+    run: list[HistoryItem] = []
+    for item in [*span, None]:
+        if item is not None and not isinstance(item, ElidedSpan) and not summarizable(item):
+            run.append(item)
+            continue
+        if run:
+            pointers.append(_elide(run[0], count) if len(run) == 1 else _elide_run(run, count))
+            run = []
+        if isinstance(item, ElidedSpan):
+            pointers.append(item)
+    return pointers
+
+
+def run_trust(items: Sequence[HistoryItem]) -> TrustLevel:
+    """The trust a pointer to several items carries: EXTERNAL_UNTRUSTED if any is, else the first item's."""
+    if any(i.trust is TrustLevel.EXTERNAL_UNTRUSTED for i in items):
+        return TrustLevel.EXTERNAL_UNTRUSTED
+    return items[0].trust
+
+
+def _elide_run(run: Sequence[HistoryItem], count: Callable[[str], int]) -> ElidedSpan:
+    first, last = run[0], run[-1]
+    return ElidedSpan(
+        id=f"{first.id}#elided-{len(run)}",
+        trust=run_trust(run),
+        tainted=any(i.tainted for i in run),
+        seq=first.seq,
+        original_id=f"{first.id}..{last.id}",
+        original_tokens=sum(count(i.body_text()) for i in run),
+        reference=f"span:{first.seq}-{last.seq}",
+        reason="compaction_elided",
+    )
+
+
 def _elide(item: HistoryItem, count: Callable[[str], int]) -> ElidedSpan:
     return ElidedSpan(
         id=f"{item.id}#elided",
         trust=item.trust,
+        tainted=item.tainted,
         seq=item.seq,
         original_id=item.id,
         original_tokens=count(item.body_text()),
@@ -156,23 +205,20 @@ def apply_checkpoint(history: Sequence[HistoryItem], checkpoint: Checkpoint | No
             depth=checkpoint.depth,
             covers_to_seq=checkpoint.covers_to_seq,
             text=checkpoint.summary,
+            tainted=checkpoint.tainted,
         ),
         *checkpoint.pointers,
     ]
     return head + [item for item in history if item.seq > checkpoint.covers_to_seq]
 
 
-def summary_line(item: HistoryItem) -> str:
-    """How a trusted item reads in a summarizer's input."""
-    if isinstance(item, UserMessage):
-        return f"user: {item.text}"
-    if isinstance(item, AssistantMessage):
-        return f"assistant: {item.text}"
-    if isinstance(item, ToolCall):
-        return f"assistant called {item.tool_name}: {item.body_text()}"
-    if isinstance(item, ToolResult):
-        return f"{item.tool_name} returned: {item.content}"
-    return item.body_text()
+def summarizer_pieces(item: HistoryItem, secret: bytes, count: Callable[[str], int], limit: int) -> list[str]:
+    """How `item` reads in a summarizer's input: its envelope, or (too large for one chunk) one per piece."""
+    whole = render_text_as(item, item.body_text(), item.id, secret)
+    if count(whole) <= limit:
+        return [whole]
+    parts = _pieces(item.body_text(), count, max(1, limit - _ENVELOPE_TOKENS))
+    return [render_text_as(item, part, f"{item.id}#part{k}", secret) for k, part in enumerate(parts)]
 
 
 def plan_compaction(
@@ -182,13 +228,15 @@ def plan_compaction(
     keep_from_seq: int,
     count: Callable[[str], int],
     chunk_tokens: int,
+    secret: bytes,
     summary_budget: int = 1_500,
 ) -> CompactionPlan:
     """Choose the span to compact: all history after the current checkpoint and before `keep_from_seq`.
 
-    `keep_from_seq` is where the kept tail starts (the active turn at least). Trusted items are chunked for
-    the summarizer, each chunk at most `chunk_tokens` (a single larger item is cut, never dropped); untrusted
-    items (and results of untrusted tools) become pointers. Past depth 2 the decision is ESCALATE. The whole
+    `keep_from_seq` is where the kept tail starts (the active turn at least). Trusted, untainted items are
+    rendered in their envelopes (under the session's `secret`) and chunked for the summarizer, each chunk at
+    most `chunk_tokens` (a single larger item is cut into enveloped pieces, never dropped); untrusted and
+    tainted items become pointers. Past depth 2 the decision is ESCALATE. The whole
     summary (the parent's plus this span's) is held to `summary_budget` tokens, shared out over the chunks.
     """
     depth = (current.depth + 1) if current else 1
@@ -226,17 +274,14 @@ def plan_compaction(
     def flush() -> None:
         nonlocal buf_ids, buf_text, buf_tokens
         if buf_ids:
-            chunks.append(SummaryChunk(item_ids=buf_ids, text="\n".join(buf_text), raw_tokens=buf_tokens))
+            chunks.append(SummaryChunk(item_ids=buf_ids, text="".join(buf_text), raw_tokens=buf_tokens))
         buf_ids, buf_text, buf_tokens = [], [], 0
 
+    pointers += elide_runs(span, count)
     for item in span:
-        if isinstance(item, ElidedSpan):
-            pointers.append(item)
+        if not summarizable(item):
             continue
-        if item.trust not in SUMMARIZABLE:
-            pointers.append(_elide(item, count))
-            continue
-        for piece in _pieces(summary_line(item), count, chunk_tokens):
+        for piece in summarizer_pieces(item, secret, count, chunk_tokens):
             tokens = count(piece)
             if buf_tokens + tokens > chunk_tokens:
                 flush()
@@ -256,6 +301,7 @@ def plan_compaction(
         chunks=chunks,
         pointers=pointers,
         previous_summary=current.summary if current else None,
+        previous_tainted=current.tainted if current else False,
     )
 
 

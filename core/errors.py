@@ -60,6 +60,20 @@ class WorkingStateError(ContextError):
     """A working-state operation that does not apply (unknown id, empty text)."""
 
 
+class ToolTrustCeilingError(ContextError):
+    """A tool executor claimed a trust level above its tool's declared ceiling (docs/trust.md)."""
+
+    def __init__(self, tool: str, claimed: str, ceiling: str) -> None:
+        self.tool = tool
+        self.claimed = claimed
+        self.ceiling = ceiling
+        super().__init__(
+            f"tool {tool!r} returned a result at trust {claimed}, above its ceiling {ceiling}; an executor may "
+            "lower trust, never raise it (PLATFORM, OPERATOR, MODEL and MEMORY are never tool-result levels), "
+            "so the result was refused"
+        )
+
+
 class OrderError(ContextError):
     """Items reached assembly out of the fixed total order."""
 

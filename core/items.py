@@ -15,13 +15,18 @@ from core.errors import UndeclaredRegionError
 
 
 class TrustLevel(StrEnum):
-    """Who vouches for a piece of text. Only PLATFORM text renders outside an envelope."""
+    """Who vouches for a piece of text. Only PLATFORM text renders outside an envelope.
+
+    MEMORY is what memories render at (snapshot, recall, corrections): remembered data, never a request,
+    whatever trust the memory was written at (docs/trust.md).
+    """
 
     PLATFORM = "PLATFORM"
     OPERATOR = "OPERATOR"
     USER = "USER"
     MODEL = "MODEL"
     TOOL = "TOOL"
+    MEMORY = "MEMORY"
     EXTERNAL_UNTRUSTED = "EXTERNAL_UNTRUSTED"
 
 
@@ -64,6 +69,9 @@ class Item(BaseModel):
     kind: str
     id: str = Field(min_length=1, max_length=200)
     trust: TrustLevel
+    # Written while untrusted content was in view, so it may repeat or obey it (docs/trust.md). Rendered as
+    # the envelope's provenance; compaction elides it instead of summarizing it.
+    tainted: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +86,10 @@ class Item(BaseModel):
     def body_text(self) -> str:
         """The text that is rendered (escaped, enveloped) for this item."""
         raise NotImplementedError
+
+    def taints_view(self) -> bool:
+        """Whether a model that reads this item may derive untrusted content from it (docs/trust.md)."""
+        return self.tainted or self.trust is TrustLevel.EXTERNAL_UNTRUSTED
 
 
 def _declared(cls: type) -> set[str]:
@@ -141,7 +153,7 @@ class MemorySnapshotEntry(Item):
     budget_class = BudgetClass.MEMORY_SNAPSHOT
     role = Role.SYSTEM
     kind: Literal["memory_snapshot"] = "memory_snapshot"
-    trust: TrustLevel = TrustLevel.USER
+    trust: TrustLevel = TrustLevel.MEMORY
     memory_id: str
     text: str
 
@@ -239,10 +251,14 @@ class ElidedSpan(Item):
     reason: Literal["tool_result_truncated", "compaction_elided"] = "tool_result_truncated"
 
     def body_text(self) -> str:
+        derived = " derived from untrusted content" if self.tainted else ""
         return (
-            f"[elided {self.reason}: {self.original_tokens} tokens of {self.trust.value} content "
+            f"[elided {self.reason}: {self.original_tokens} tokens of {self.trust.value} content{derived} "
             f"from item {self.original_id}; original at {self.reference}]"
         )
+
+    def taints_view(self) -> bool:
+        return False  # a pointer shows trust, size and a reference: none of the content
 
 
 class CheckpointSummary(Item):
@@ -270,7 +286,7 @@ class RecallItem(Item):
     budget_class = BudgetClass.RECALL
     role = Role.USER
     kind: Literal["recall"] = "recall"
-    trust: TrustLevel = TrustLevel.USER
+    trust: TrustLevel = TrustLevel.MEMORY
     memory_id: str
     rank: int = Field(ge=0)
     text: str
@@ -286,7 +302,7 @@ class CorrectionLine(Item):
     budget_class = BudgetClass.CORRECTIONS
     role = Role.USER
     kind: Literal["correction"] = "correction"
-    trust: TrustLevel = TrustLevel.USER
+    trust: TrustLevel = TrustLevel.MEMORY
     memory_id: str
     text: str
 
@@ -303,9 +319,15 @@ class WorkingStateBlock(Item):
     kind: Literal["working_state"] = "working_state"
     trust: TrustLevel = TrustLevel.MODEL
     text: str
+    # Some entry was written while untrusted content was in view: the entries say which, the block is not
+    # rendered as tainted as a whole (the user's own constraints sit beside them), but it taints the view.
+    holds_tainted: bool = False
 
     def body_text(self) -> str:
         return self.text
+
+    def taints_view(self) -> bool:
+        return self.holds_tainted or super().taints_view()
 
 
 class TurnContext(Item):

@@ -23,6 +23,7 @@ class Segment(BaseModel):
     text: str
     raw_tokens: int
     call_id: str | None = None
+    taints: bool = False  # a model that reads it may derive untrusted content from it (docs/trust.md)
 
 
 class YieldStep(StrEnum):
@@ -63,6 +64,8 @@ class PlanSummary(BaseModel):
     yields: list[YieldApplied] = Field(default_factory=list)
     segments: int
     pointers: int
+    # Untrusted content (or text derived from it) was in view: what the model writes in reply is tainted.
+    untrusted_in_view: bool = False
 
 
 class ContextPlan(BaseModel):
@@ -82,6 +85,7 @@ class ContextPlan(BaseModel):
     body_tokens: int
     tokens_by_class: dict[str, int]
     yields: list[YieldApplied]
+    untrusted_in_view: bool = False
 
     @property
     def body_text(self) -> str:
@@ -108,4 +112,5 @@ class ContextPlan(BaseModel):
             yields=self.yields,
             segments=len(self.segments),
             pointers=sum(1 for s in self.segments if s.kind == "elided_span"),
+            untrusted_in_view=self.untrusted_in_view,
         )

@@ -10,6 +10,12 @@ from collections.abc import Collection, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
+from core.errors import ToolTrustCeilingError
+from core.items import TrustLevel
+
+TOOL_RESULT_TRUST: tuple[TrustLevel, ...] = (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.TOOL, TrustLevel.USER)
+"""The trust levels a tool result may carry, lowest first. A tool's ceiling is one of them (default TOOL)."""
+
 
 class Decision(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -26,3 +32,14 @@ def authorize(name: str, *, pinned: Collection[str], granted: Collection[str], r
     if name not in granted:
         return Decision(allowed=False, reason=f"tool {name!r} is not granted to this session")
     return Decision(allowed=True, reason="granted")
+
+
+def result_trust(tool: str, *, claimed: TrustLevel, ceiling: TrustLevel) -> TrustLevel:
+    """The trust a tool result is stored at: what the executor claimed, if at or below the tool's ceiling.
+
+    An executor may lower trust, never raise it; a claim above the ceiling, or at a level that is never a
+    tool result's (PLATFORM, OPERATOR, MODEL, MEMORY), raises ToolTrustCeilingError.
+    """
+    if claimed not in TOOL_RESULT_TRUST or TOOL_RESULT_TRUST.index(claimed) > TOOL_RESULT_TRUST.index(ceiling):
+        raise ToolTrustCeilingError(tool, claimed.value, ceiling.value)
+    return claimed

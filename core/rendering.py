@@ -78,6 +78,7 @@ class Envelope(BaseModel):
     trust: str
     item_id: str
     content: str
+    provenance: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -389,20 +390,26 @@ def _escape_attr(value: str) -> str:
     return escape_content(value).translate(_ATTR_EXTRA)
 
 
-def render_envelope(content: str, *, nonce: str, source: str, trust: str, item_id: str) -> str:
-    """Render ``content`` inside a trust envelope; the result ends with a single newline after the closer."""
+def render_envelope(
+    content: str, *, nonce: str, source: str, trust: str, item_id: str, provenance: str | None = None
+) -> str:
+    """Render ``content`` inside a trust envelope; the result ends with a single newline after the closer.
+
+    ``provenance`` (the engine passes ``"untrusted"``) marks content written while untrusted content was in view.
+    """
     if not _NONCE_RE.fullmatch(nonce):
         raise ValueError(f"nonce must be 16-64 lowercase hex characters (see derive_nonce), got {nonce!r}")
+    extra = f' provenance="{_escape_attr(provenance)}"' if provenance is not None else ""
     return (
         f'<<ctx:{nonce} source="{_escape_attr(source)}" trust="{_escape_attr(trust)}" '
-        f'id="{_escape_attr(item_id)}">>\n{escape_content(content)}\n<</ctx:{nonce}>>\n'
+        f'id="{_escape_attr(item_id)}"{extra}>>\n{escape_content(content)}\n<</ctx:{nonce}>>\n'
     )
 
 
 _MARKER_RE = re.compile(r"<</?ctx:")
 _OPENER_RE = re.compile(
     r'<<ctx:(?P<nonce>[0-9a-f]{16,64}) source="(?P<source>[^"\n]*)" trust="(?P<trust>[^"\n]*)" '
-    r'id="(?P<item_id>[^"\n]*)">>\n'
+    r'id="(?P<item_id>[^"\n]*)"(?: provenance="(?P<provenance>[^"\n]*)")?>>\n'
 )
 _CLOSER_RE = re.compile(r"<</ctx:(?P<nonce>[0-9a-f]{16,64})>>(?:\n|\Z)")
 _PLACEHOLDER_RE = re.compile(r"<</?ctx:(?![0-9a-f])(?=.)", re.DOTALL)
@@ -471,6 +478,9 @@ def parse_envelopes(rendered: str) -> list[Envelope]:
                 trust=_unescape_at(opener["trust"], start, "trust attribute of the envelope"),
                 item_id=_unescape_at(opener["item_id"], start, "id attribute of the envelope"),
                 content=_unescape_at(body, body_start, "envelope body"),
+                provenance=None
+                if opener["provenance"] is None
+                else _unescape_at(opener["provenance"], start, "provenance attribute of the envelope"),
             )
         )
         pos = closer.end()

@@ -30,6 +30,9 @@ class ToolSpec(_Input):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str = Field(max_length=4_000)
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    # The highest trust this tool's results may carry (docs/trust.md): a tool that reads the outside world
+    # declares EXTERNAL_UNTRUSTED. An executor may lower it, never raise it.
+    max_trust: Literal["USER", "TOOL", "EXTERNAL_UNTRUSTED"] = "TOOL"
 
 
 class ModelRoute(_Input):

@@ -13,3 +13,4 @@ class EventType(StrEnum):
     ESTIMATOR_RECONCILED = "context.estimator.reconciled"
     WORKING_STATE_REJECTED = "context.working_state.rejected"
     SESSION_OPENED = "context.session.opened"
+    TOOL_TRUST_REFUSED = "context.tool.trust_refused"

@@ -3,9 +3,12 @@ stability) and a fresh PostgreSQL database each."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from temporalio.client import Client
 
+from activities.context import SessionActivities
 from ctxengine.gates import run_gate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -20,7 +23,11 @@ async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> N
         assert result["turns"] == 50 and result["distinct_prefix_hashes"] == 1
         assert len(result["dates_seen"]) >= 2 and result["tool_denials"] >= 1 and result["compactions"] >= 1
     if name in ("trust", "compaction"):
-        assert result["untrusted_bytes_in_summarizer_inputs"] == 0
+        assert result["adversarial_model"] is True and result["tool_trust_raises_refused"] >= 1
+        assert result["untrusted_marker_bytes_in_summaries"] == 0
+        assert result["untrusted_marker_bytes_in_summarizer_inputs_outside_envelopes"] == 0
+        assert result["untrusted_marker_bytes_in_memories"] == 0
+        assert result["untainted_working_state_entries_from_untrusted"] == 0
 
 
 async def test_injected_timestamp_fails_stability_and_is_explained(temporal_client: Client, pg_dsn: str) -> None:
@@ -32,3 +39,21 @@ async def test_injected_timestamp_fails_stability_and_is_explained(temporal_clie
     diff = result["violation"]["first_difference"]
     assert diff["item_id"] == "platform.1.policy" and diff["budget_class"] == "platform_policy"
     assert "Rendered at" in diff["actual"]
+
+
+class TaintOff(SessionActivities):
+    """The fault the trust gates guard against: taint propagation switched off (replies never tainted)."""
+
+    def reply_tainted(self, plan: dict[str, Any]) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("name", ["compaction", "trust"])
+async def test_negative_taint_off_fails_trust_gates(name: str, temporal_client: Client, pg_dsn: str) -> None:
+    """With taint propagation switched off in the harness, the adversarial model launders page text into
+    summaries and untainted working state, and the gate fails naming where."""
+    result = await run_gate(name, client=temporal_client, dsn=pg_dsn, activities_class=TaintOff)
+    assert not result["passed"], result
+    assert result["adversarial_model"] is True
+    assert result["untainted_working_state_entries_from_untrusted"] > 0
+    assert result["untrusted_marker_bytes_in_summaries"] > 0 or result["untrusted_bytes_in_summarizer_inputs"] > 0

@@ -39,7 +39,9 @@ class TestPolicy:
     def test_untrusted_never_reaches_the_summarizer(self) -> None:
         """No byte of untrusted content is in any summarizer chunk; each untrusted item is a pointer."""
         hist = _history()
-        plan = plan_compaction(hist, current=None, keep_from_seq=hist[-1].seq, count=count, chunk_tokens=500)
+        plan = plan_compaction(
+            hist, current=None, keep_from_seq=hist[-1].seq, count=count, chunk_tokens=500, secret=f.SECRET
+        )
         assert plan.decision is CompactionDecision.COMPACT
         assert all(UNTRUSTED_MARK not in c.text for c in plan.chunks)
         untrusted = {h.id for h in hist if h.trust is TrustLevel.EXTERNAL_UNTRUSTED and h.seq < hist[-1].seq}
@@ -58,23 +60,31 @@ class TestPolicy:
 
         hist.insert(0, UserMessage(id="huge", seq=0, text="enormous " * 5_000))
         hist = [h.model_copy(update={"seq": i}) for i, h in enumerate(hist)]
-        plan = plan_compaction(hist, current=None, keep_from_seq=len(hist) - 1, count=count, chunk_tokens=400)
+        plan = plan_compaction(
+            hist, current=None, keep_from_seq=len(hist) - 1, count=count, chunk_tokens=400, secret=f.SECRET
+        )
         assert plan.chunks and all(c.raw_tokens <= 400 for c in plan.chunks)
 
     def test_depth_is_capped_then_escalates(self) -> None:
         """Depth 1, then 2, then the decision is to escalate rather than summarize a third time."""
         hist = f.history(30)
-        first = plan_compaction(hist, current=None, keep_from_seq=20, count=count, chunk_tokens=800)
-        second = plan_compaction(hist, current=_checkpoint(first), keep_from_seq=40, count=count, chunk_tokens=800)
-        third = plan_compaction(hist, current=_checkpoint(second), keep_from_seq=60, count=count, chunk_tokens=800)
+        first = plan_compaction(hist, current=None, keep_from_seq=20, count=count, chunk_tokens=800, secret=f.SECRET)
+        second = plan_compaction(
+            hist, current=_checkpoint(first), keep_from_seq=40, count=count, chunk_tokens=800, secret=f.SECRET
+        )
+        third = plan_compaction(
+            hist, current=_checkpoint(second), keep_from_seq=60, count=count, chunk_tokens=800, secret=f.SECRET
+        )
         assert (first.depth, second.depth) == (1, 2)
         assert third.decision is CompactionDecision.ESCALATE and "depth" in third.reason
 
     def test_second_compaction_keeps_earlier_pointers(self) -> None:
         """Pointers of the parent checkpoint carry into the next one."""
         hist = _history()
-        first = plan_compaction(hist, current=None, keep_from_seq=15, count=count, chunk_tokens=800)
-        second = plan_compaction(hist, current=_checkpoint(first), keep_from_seq=30, count=count, chunk_tokens=800)
+        first = plan_compaction(hist, current=None, keep_from_seq=15, count=count, chunk_tokens=800, secret=f.SECRET)
+        second = plan_compaction(
+            hist, current=_checkpoint(first), keep_from_seq=30, count=count, chunk_tokens=800, secret=f.SECRET
+        )
         assert {p.id for p in first.pointers} <= {p.id for p in second.pointers}
         assert second.previous_summary == "summary"
 
@@ -83,7 +93,9 @@ class TestPolicy:
         hist = f.history(4)
         call = next(h for h in hist if isinstance(h, ToolCall))
         result = next(h for h in hist if isinstance(h, ToolResult) and h.call_id == call.call_id)
-        plan = plan_compaction(hist, current=None, keep_from_seq=result.seq, count=count, chunk_tokens=800)
+        plan = plan_compaction(
+            hist, current=None, keep_from_seq=result.seq, count=count, chunk_tokens=800, secret=f.SECRET
+        )
         assert plan.covers_to_seq < call.seq or plan.decision is CompactionDecision.NOTHING_TO_COMPACT
 
 
@@ -96,7 +108,12 @@ class TestRegionBOnly:
         before = build(prefix, body, budget=budget, estimator=f.estimator(), secret=f.SECRET)
         assert before.status == "needs_compaction"
         plan = plan_compaction(
-            body.history, current=None, keep_from_seq=body.history[-8].seq, count=count, chunk_tokens=2_000
+            body.history,
+            current=None,
+            keep_from_seq=body.history[-8].seq,
+            count=count,
+            chunk_tokens=2_000,
+            secret=f.SECRET,
         )
         cp = _checkpoint(plan, "the user asked 32 questions about lorem")
         after = build(

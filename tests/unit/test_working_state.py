@@ -92,9 +92,9 @@ class TestCaps:
         assert state.tasks == []
 
     def test_untrusted_context_taints_facts(self) -> None:
-        """A fact written while untrusted content was in view is marked derived_from_untrusted."""
+        """A fact written while untrusted content was in view is marked tainted."""
         state = apply(WorkingState(), add("add_fact", 1), writer="model", count=count, untrusted_in_context=True)
-        assert state.facts[0].derived_from_untrusted
+        assert state.facts[0].tainted
 
 
 class TestTypedTool:
