@@ -650,7 +650,11 @@ class SessionActivities:
         if not inp.allowed:
             return f"error: call denied by policy: {inp.denial}", TrustLevel.TOOL, True, None
         if inp.call.name == CONTROL_TOOL_NAME:
-            return await self._update_working_state(inp, tainted=tainted)
+            # Anything the model writes in a turn with untrusted content in view is tainted, even a write made
+            # in the same reply as the fetch that brought the content in (docs/trust.md).
+            in_turn = f"t{inp.turn}."
+            turn_tainted = any(i.taints_view() for i in items if i.id.startswith(in_turn))
+            return await self._update_working_state(inp, tainted=tainted or turn_tainted)
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
             return (

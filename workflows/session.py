@@ -139,6 +139,7 @@ class SessionWorkflow:
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
         number = self.state.metrics.escalations
+        sent = dict(self.state.revoked_tools)  # what the child's input carries
         self.child = await workflow.start_child_workflow(
             ChildRunWorkflow.run,
             ChildRunInput(
@@ -147,6 +148,11 @@ class SessionWorkflow:
             id=f"{self.state.session_id}/child-run/{number}",
             static_summary=f"child run {number} of session {self.state.session_id} (turn {turn})",
         )
+        # A revocation that arrived while the child was starting found no child to forward to, and the
+        # child's input predates it: forward it now (a second delivery of one is harmless).
+        for name, reason in self.state.revoked_tools.items():
+            if name not in sent:
+                await self.child.signal(ChildRunWorkflow.revoke_tool, RevokeTool(name=name, reason=reason))
         try:
             done: ChildRunResult = await self.child
         finally:
