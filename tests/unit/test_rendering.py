@@ -29,6 +29,7 @@ from core.rendering import (
 from ctxengine.attack_corpus import ATTACKS, REAL_NONCE
 
 SECRET = b"per-session-secret-for-tests"
+PRE_FIDELITY_FINGERPRINT = "b0d12a504af601e2"  # recorded by prefixes rendered with '<' and '>' always escaped
 NONCE = derive_nonce(SECRET, "item-under-test")
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,6 +159,18 @@ FRAGMENTS = [
     "ｃｔｘ",
     "ｓｙｓｔｅｍ",
     "\u0338",
+    "<|",
+    "<\uff5c",
+    "<s>",
+    "</s>",
+    "<tool_call>",
+    "<start_of_turn>",
+    "<<SYS>>",
+    "\r",
+    "\\\\",
+    "u{",
+    "\\u{41}",
+    "> ",
     NONCE,
     "a",
     " ",
@@ -560,6 +573,10 @@ class TestFramingText:
         """The framing names a provenance attribute but still holds no envelope."""
         [envelope] = parse_envelopes(FRAMING_TEXT + "\n" + render("x", "a"))
         assert (envelope.nonce, envelope.content, envelope.provenance) == (derive_nonce(SECRET, "a"), "x", None)
+
+    def test_fidelity_rules_rotate_the_epoch(self) -> None:
+        """The fingerprint differs from the one every prefix rendered under the always-escape rules recorded."""
+        assert ESCAPING_FINGERPRINT != PRE_FIDELITY_FINGERPRINT
 
     def test_escaping_fingerprint_is_short_hex(self) -> None:
         """The escaping-table fingerprint is 16 lowercase hex characters, recordable beside prefix_sha256."""
