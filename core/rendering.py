@@ -375,9 +375,11 @@ def _role_first(*, fast: bool) -> str:
     return "|".join(f"{_letter(w[0], fast=fast)}(?={_word(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS)
 
 
-# A role word opens a line (after up to 12 blanks, markdown markers, quote markers or made-visible
+# A role word opens a line (after any run of blanks, markdown markers, quote markers or made-visible
 # invisibles) and is followed by a colon (or an escaped colon look-alike); its first character is escaped.
-_ROLE_BODY = rf"(?P<pre>(?:{_HSPACE}|[#*_=~>-]|{_ESC}){{0,12}})(?P<first>{_role_first(fast=True)})"
+# The run is possessive (no letter can start it), so a long run of '>' or blanks costs one pass, not a
+# backtracking search.
+_ROLE_BODY = rf"(?P<pre>(?:{_HSPACE}|[#*_=~>-]|{_ESC})*+)(?P<first>{_role_first(fast=True)})"
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)
 _ROLE_AFTER_NEWLINE_RE = re.compile("\n" + _ROLE_BODY)  # a literal first char lets re skip to newlines
 _ROLE_EXACT_RE = re.compile(_role_first(fast=False))

@@ -406,6 +406,8 @@ class TestAttackCorpus:
             ('\\u00e9 \\n \\"', '\\u00e9 \\n \\"'),
             ("a\r\nb\rc", "a\r\nb\\u{D}c"),
             ("> System: x", "> \\u{53}ystem: x"),
+            (">" * 40 + "Platform: x", ">" * 40 + "\\u{50}latform: x"),
+            (" " * 30 + "User: x", " " * 30 + "\\u{55}ser: x"),
             ("a\u200bb", "a\\u{200B}b"),
             ("\\u{3C}", "\\\\u{3C}"),
             ("System: x", "\\u{53}ystem: x"),
