@@ -18,9 +18,9 @@ from core.items import (
     ToolResult,
     TrustLevel,
 )
-from core.rendering import derive_nonce, render_envelope
+from core.rendering import UNTRUSTED_PROVENANCE, derive_nonce, render_envelope
 
-UNTRUSTED_PROVENANCE = "untrusted"
+__all__ = ["UNTRUSTED_PROVENANCE", "render_item", "render_text_as", "source_of"]
 
 
 def source_of(item: Item) -> str:

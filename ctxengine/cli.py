@@ -53,6 +53,17 @@ def bench_build(
     emit(run(rounds=rounds, progress=not as_json), as_json, "bench build")
 
 
+@bench_app.command("rendering")
+def bench_rendering(as_json: JsonFlag = False) -> None:
+    """Escaping overhead (cl100k tokens) on benign HTML, Markdown, code and JSON; the written attacks."""
+    from bench.rendering_bench import run
+
+    result = run(progress=not as_json)
+    emit(result, as_json, "bench rendering")
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("turns")
 def bench_turns(
     as_json: JsonFlag = False,

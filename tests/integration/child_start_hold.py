@@ -4,7 +4,6 @@ and the child run waits (up to a bound) for the revocation to reach it before it
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -39,7 +38,7 @@ class _Inbound(WorkflowInboundInterceptor):
         if workflow.info().workflow_type == "ChildRunWorkflow":
             try:  # without the fix the revocation never comes: go on after the bound, and the call is allowed
                 await workflow.wait_condition(_revoked, timeout=CHILD_WAITS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return await super().execute_workflow(input)
 
