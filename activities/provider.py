@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, Field
 
 from activities.tokens import TiktokenCounter
-from core.rendering import FRAMING_TEXT, parse_envelopes
+from core.rendering import FRAMING_TEXT, EnvelopeParseError, parse_envelopes
 
 
 class ProviderSegment(BaseModel):
@@ -107,7 +107,10 @@ _CONVERSATION = frozenset(
 
 def extractive_summary(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
     """The scripted summarizer: the first words of each envelope (or line), cut until within `max_tokens`."""
-    envelopes = parse_envelopes(text)
+    try:
+        envelopes = parse_envelopes(text)
+    except EnvelopeParseError:  # not a rendered context (a baseline's plain lines): read it as lines
+        envelopes = []
     parts = [f"{e.source}: {e.content}" for e in envelopes] if envelopes else text.splitlines()
     lines = [" ".join(part.split()[:12]) for part in parts if part.strip()]
     summary = f"Summary of {len(lines)} earlier lines: " + " | ".join(lines)
