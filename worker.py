@@ -31,7 +31,7 @@ from activities.context import SessionActivities
 from activities.provider import ModelProvider, build_providers
 from activities.store import Store
 from activities.tools import Executor
-from ctxengine import names
+from contract import names
 from workflows.child_run import ChildRunWorkflow
 from workflows.compaction import CompactionWorkflow
 from workflows.session import SessionWorkflow
@@ -132,13 +132,13 @@ async def running_worker(
 
 
 async def main() -> None:
-    from ctxengine.embedded import ctxengine_home, embedded_postgres, temporal_dev_server
+    from services.embedded import ctxengine_home, embedded_postgres, temporal_dev_server
 
     configure_logging()
     log = structlog.get_logger("ctxengine.worker")
     metrics = os.environ.get("CTXENGINE_METRICS_ADDRESS", "")
     if not metrics:  # the default port, or a free one when another worker on this host holds it
-        from ctxengine.embedded import free_port, port_is_free
+        from services.embedded import free_port, port_is_free
 
         metrics = f"127.0.0.1:{9464 if port_is_free(9464) else free_port()}"
     install_runtime(None if metrics == "off" else metrics)

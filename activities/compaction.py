@@ -21,8 +21,8 @@ from core.compaction import (
 from core.estimator import TokenEstimator
 from core.items import TrustLevel
 from core.working_state import WorkingStateWrite, fold
-from ctxengine import names
-from ctxengine.contract import (
+from contract import names
+from contract.payloads import (
     CompactionInput,
     CompactionOutcome,
     CompactionStep,
@@ -30,7 +30,7 @@ from ctxengine.contract import (
     FormationResult,
     SummarizeInput,
 )
-from ctxengine.events import EventType
+from contract.events import EventType
 
 log = structlog.get_logger("ctxengine.compaction")
 SUMMARY_MAX_TOKENS = 300

@@ -66,8 +66,8 @@ from core.working_state import (
     holds_tainted,
     render,
 )
-from ctxengine import names
-from ctxengine.contract import (
+from contract import names
+from contract.payloads import (
     BuildInput,
     BuildResult,
     CloseInput,
@@ -83,7 +83,7 @@ from ctxengine.contract import (
     ToolInput,
     ToolResultSummary,
 )
-from ctxengine.events import EventType
+from contract.events import EventType
 
 log = structlog.get_logger("ctxengine.activities")
 T = TypeVar("T")

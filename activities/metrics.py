@@ -9,7 +9,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.common import MetricCounter, MetricHistogram, MetricMeter
 
-from ctxengine.events import EventType
+from contract.events import EventType
 
 _instruments: dict[tuple[int, str], Any] = {}
 

@@ -26,7 +26,7 @@ UPDATE_WRITE_MEMORY = "write_memory"
 UPDATE_CLOSE_SESSION = "close_session"
 QUERY_STATE = "state"
 
-# Search attributes shown in the Temporal UI's list (registered on the dev server by ctxengine.embedded).
+# Search attributes shown in the Temporal UI's list (registered on the dev server by services.embedded).
 SA_EPOCH = "CtxEpoch"
 SA_TURNS = "CtxTurns"
 SA_PREFIX_HASH = "CtxPrefixHash"

@@ -48,7 +48,7 @@ def bench_build(
     rounds: Annotated[int, typer.Option(help="Timed repetitions per case.")] = 30,
 ) -> None:
     """Build latency against LangChain trim_messages and the join+hash floor (issue: pure builder)."""
-    from bench.build_bench import run
+    from harness.bench.build_bench import run
 
     emit(run(rounds=rounds, progress=not as_json), as_json, "bench build")
 
@@ -56,7 +56,7 @@ def bench_build(
 @bench_app.command("rendering")
 def bench_rendering(as_json: JsonFlag = False) -> None:
     """Escaping overhead (cl100k tokens) on benign HTML, Markdown, code and JSON; the written attacks."""
-    from bench.rendering_bench import run
+    from harness.bench.rendering_bench import run
 
     result = run(progress=not as_json)
     emit(result, as_json, "bench rendering")
@@ -73,7 +73,7 @@ def bench_turns(
     """Per-turn latency and throughput of the engine against a bare two-activity Temporal floor."""
     import asyncio
 
-    from bench.turns_bench import run
+    from harness.bench.turns_bench import run
 
     emit(asyncio.run(run(turns=turns, long_turns=long_turns, progress=not as_json)), as_json, "bench turns")
 
@@ -81,7 +81,7 @@ def bench_turns(
 @bench_app.command("cache")
 def bench_cache(as_json: JsonFlag = False) -> None:
     """Cache economics: ctxengine against a naive assembler and a summarize-everything compactor, priced."""
-    from bench.cache_bench import run
+    from harness.bench.cache_bench import run
 
     emit(run(progress=not as_json), as_json, "bench cache")
 
@@ -127,7 +127,7 @@ def inspect(
     import asyncio
 
     from ctxengine.inspection import inspect_session, print_inspection
-    from ctxengine.services import services
+    from services.stack import services
 
     async def go() -> dict[str, Any]:
         async with services(temporal=False) as svc:
@@ -155,7 +155,7 @@ def gate(
     """Run a hard gate on the live stack (embedded services unless TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL)."""
     import asyncio
 
-    from ctxengine.gates import ALL, GATES, run_gate, run_gates
+    from harness.gates import ALL, GATES, run_gate, run_gates
 
     if name != "all" and name not in GATES:
         typer.echo(f"error: unknown gate {name!r}; choose from {', '.join([*GATES, 'all'])}", err=True)
@@ -226,7 +226,7 @@ def replay(
     from activities.rebuild import Overrides, rebuild_session
     from activities.tokens import TiktokenCounter
     from ctxengine.operator_tools import ConfigError, parse_route
-    from ctxengine.services import services
+    from services.stack import services
 
     changes: dict[str, Any] = {}
     if budget is not None:

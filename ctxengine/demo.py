@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from activities.tools import DEMO_TOOLS
-from ctxengine import names
-from ctxengine.contract import RevokeTool, SessionOpen, SessionState, TurnInput, TurnResult, WriteMemory
-from ctxengine.services import services
+from contract import names
+from contract.payloads import RevokeTool, SessionOpen, SessionState, TurnInput, TurnResult, WriteMemory
+from services.stack import services
 
 DEMO_MODELS = {"scripted": "scripted-1", "openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-6"}
 

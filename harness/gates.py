@@ -37,10 +37,10 @@ from core.rendering import derive_nonce, parse_envelopes, render_envelope
 from core.validation import find_orphans
 from core.working_state import WorkingStateWrite, fold
 from core.working_state import entries as ws_entries
-from ctxengine import names
-from ctxengine.adversarial_model import AdversarialProvider
-from ctxengine.attack_corpus import ATTACKS, REAL_NONCE
-from ctxengine.contract import (
+from contract import names
+from harness.adversarial_model import AdversarialProvider
+from harness.attack_corpus import ATTACKS, REAL_NONCE
+from contract.payloads import (
     ActivityTimeouts,
     RevokeTool,
     SessionOpen,
@@ -49,7 +49,7 @@ from ctxengine.contract import (
     TurnResult,
     WriteMemory,
 )
-from ctxengine.events import EventType
+from contract.events import EventType
 
 GateFn = Callable[["Stack"], Awaitable[dict[str, Any]]]
 FAST = ActivityTimeouts(build_seconds=10, model_seconds=30, model_heartbeat_seconds=10, tool_seconds=10)
@@ -101,10 +101,10 @@ async def live_stack(
 ) -> AsyncIterator[Stack]:
     """A worker on a fresh task queue against real Temporal and PostgreSQL (given, or embedded).
 
-    `adversarial`: the worker's `scripted` model is the adversarial one (ctxengine.adversarial_model).
+    `adversarial`: the worker's `scripted` model is the adversarial one (harness.adversarial_model).
     `activities_class`: a fault registered by a negative test (a subclass of the production activities).
     """
-    from ctxengine.services import services
+    from services.stack import services
     from worker import connect, running_worker
 
     async with AsyncExitStack() as stack:

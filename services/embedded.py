@@ -74,7 +74,7 @@ __all__ = [
     "temporal_namespace",
 ]
 
-log = structlog.get_logger("ctxengine.embedded")
+log = structlog.get_logger("services.embedded")
 
 ENV_DATABASE_URL = "CTXENGINE_DATABASE_URL"
 ENV_TEMPORAL_ADDRESS = "TEMPORAL_ADDRESS"

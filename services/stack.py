@@ -8,7 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from activities.store import Store
-from ctxengine.embedded import ENV_TEMPORAL_ADDRESS, EmbeddedTemporal, ctxengine_home, embedded_postgres
+from services.embedded import ENV_TEMPORAL_ADDRESS, EmbeddedTemporal, ctxengine_home, embedded_postgres
 
 
 @dataclass

@@ -30,7 +30,7 @@ import pytest_asyncio
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from ctxengine.embedded import (
+from services.embedded import (
     ENV_DATABASE_URL,
     ENV_TEMPORAL_ADDRESS,
     EmbeddedPostgres,

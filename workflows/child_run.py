@@ -10,8 +10,8 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from ctxengine import names
-    from ctxengine.contract import ChildRunInput, ChildRunResult, RevokeTool
+    from contract import names
+    from contract.payloads import ChildRunInput, ChildRunResult, RevokeTool
 
 from workflows.turn import TurnRunner
 

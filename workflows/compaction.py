@@ -14,8 +14,8 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from core.compaction import CompactionDecision
-    from ctxengine import names
-    from ctxengine.contract import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
+    from contract import names
+    from contract.payloads import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
 
 RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)

@@ -18,8 +18,8 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from core.working_state import CONTROL_TOOL_NAME
-    from ctxengine import names
-    from ctxengine.contract import (
+    from contract import names
+    from contract.payloads import (
         ChildRunInput,
         ChildRunResult,
         CloseInput,
@@ -39,7 +39,7 @@ with workflow.unsafe.imports_passed_through():
         TurnResult,
         WriteMemory,
     )
-    from ctxengine.events import EventType
+    from contract.events import EventType
 
 from workflows.child_run import ChildRunWorkflow
 from workflows.turn import RETRY, TurnRunner

@@ -15,8 +15,8 @@ with workflow.unsafe.imports_passed_through():
     from core.plan import PlanStatus, PlanSummary
     from core.policy import authorize
     from core.working_state import CONTROL_TOOL_NAME
-    from ctxengine import names
-    from ctxengine.contract import (
+    from contract import names
+    from contract.payloads import (
         BuildInput,
         BuildResult,
         CompactionInput,

@@ -49,7 +49,7 @@ from activities.anthropic_provider import render_messages_request
 from activities.openai_provider import render_chat_request
 from activities.provider import ProviderRequest, ProviderSegment, extractive_summary
 from activities.tokens import TiktokenCounter
-from bench.build_bench import TextGen, assistant_text, region_a, user_text
+from harness.bench.build_bench import TextGen, assistant_text, region_a, user_text
 from core.budget import ContextBudget
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
 from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction

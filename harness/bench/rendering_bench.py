@@ -3,7 +3,7 @@
 For each benign corpus (HTML, Markdown, code, JSON; see `bench/rendering_corpus.py`) the overhead is the
 cl100k token count of the escaped text over the token count of the raw text, each summed over the corpus:
 what a model pays, in tokens, for the envelope's escaping. The attack figures come from the same check as
-`ctxengine gate trust` (`ctxengine.gates.rendering_attacks`): every written attack rendered between two
+`ctxengine gate trust` (`harness.gates.rendering_attacks`): every written attack rendered between two
 other envelopes must parse back exactly. Targets: every overhead at most 1.03, zero escapes.
 See docs/rendering-contract.md.
 """
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from activities.tokens import TiktokenCounter
-from bench.rendering_corpus import code_corpus, html_corpus, json_corpus, markdown_corpus
+from harness.bench.rendering_corpus import code_corpus, html_corpus, json_corpus, markdown_corpus
 from core.rendering import ESCAPING_FINGERPRINT, escape_content
-from ctxengine.gates import rendering_attacks
+from harness.gates import rendering_attacks
 
 OVERHEAD_TARGET = 1.03
 CORPORA: dict[str, Callable[[], list[str]]] = {

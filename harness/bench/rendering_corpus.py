@@ -22,7 +22,7 @@ import pydoc
 import random
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 ARTICLE_HTML = """<!DOCTYPE html>
 <html lang="en">

@@ -18,7 +18,7 @@ Update running two no-op activities, the irreducible build and model call). Meas
 
 Every figure is measured in the run; nothing is stubbed or written in. With `address`/`dsn` (the tests'
 fixtures) or TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL, those servers are used; otherwise the embedded dev
-server (with the recommended flags, `ctxengine.embedded.dev_server_extra_args`) and PostgreSQL are started
+server (with the recommended flags, `services.embedded.dev_server_extra_args`) and PostgreSQL are started
 under a temporary CTXENGINE_HOME and stopped at the end. See docs/benchmarks.md, section "bench turns".
 """
 
@@ -49,7 +49,7 @@ from temporalio.worker import Worker
 
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
-from bench.floor_workflow import (
+from harness.bench.floor_workflow import (
     FLOOR_ACTIVITIES,
     UPDATE_TURN,
     WORKFLOW_FLOOR,
@@ -58,8 +58,8 @@ from bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
-from ctxengine import names
-from ctxengine.contract import SessionOpen, TurnInput, TurnResult
+from contract import names
+from contract.payloads import SessionOpen, TurnInput, TurnResult
 from worker import connect, running_worker
 
 # Targets from the issue.
@@ -436,7 +436,7 @@ class _CountingPool(_CountingConnection):
 @asynccontextmanager
 async def _services(address: str | None, dsn: str | None) -> AsyncIterator[tuple[str, str]]:
     """The given servers, or the embedded ones under a temporary CTXENGINE_HOME (removed after)."""
-    from ctxengine.embedded import embedded_postgres, temporal_dev_server
+    from services.embedded import embedded_postgres, temporal_dev_server
 
     async with AsyncExitStack() as stack:
         home: Path | None = None

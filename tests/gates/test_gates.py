@@ -9,7 +9,7 @@ import pytest
 from temporalio.client import Client
 
 from activities.context import SessionActivities
-from ctxengine.gates import run_gate
+from harness.gates import run_gate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,8 +11,8 @@ from temporalio.client import Client, WorkflowHandle
 
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
-from ctxengine import names
-from ctxengine.contract import ActivityTimeouts, SessionOpen, TurnInput, TurnResult
+from contract import names
+from contract.payloads import ActivityTimeouts, SessionOpen, TurnInput, TurnResult
 from worker import running_worker
 
 FAST = ActivityTimeouts(build_seconds=5, model_seconds=5, model_heartbeat_seconds=5, tool_seconds=5)

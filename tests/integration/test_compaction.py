@@ -9,8 +9,8 @@ from temporalio.client import Client
 
 from activities.store import ForeignReferenceError, Store
 from activities.tools import marker
-from ctxengine import names
-from ctxengine.contract import SessionState
+from contract import names
+from contract.payloads import SessionState
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from temporalio.client import Client
     from temporalio.worker import Worker
 
-    from ctxengine.embedded import (
+    from services.embedded import (
         ENV_DATABASE_URL,
         ENV_HOME,
         SEARCH_ATTRIBUTES,

@@ -7,8 +7,8 @@ import json
 import pytest
 from temporalio.client import Client
 
-from ctxengine import names
-from ctxengine.contract import ModelRoute, RotateEpoch, SessionState, WriteMemory
+from contract import names
+from contract.payloads import ModelRoute, RotateEpoch, SessionState, WriteMemory
 from tests.integration.session_helpers import stack, start, turn
 
 pytestmark = pytest.mark.integration

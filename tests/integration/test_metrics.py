@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client
 
-from ctxengine import names
-from ctxengine.contract import SessionState
-from ctxengine.embedded import free_port
+from contract import names
+from contract.payloads import SessionState
+from services.embedded import free_port
 from tests.integration.session_helpers import start, turn
 from tests.integration.worker_process import WorkerProcess
 

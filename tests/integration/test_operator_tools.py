@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from activities.tokens import TiktokenCounter
 from ctxengine.cli import app
-from ctxengine.contract import SessionOpen
+from contract.payloads import SessionOpen
 from ctxengine.operator_tools import validate_config
 from tests.integration.session_helpers import session_open, stack, start, turn
 

@@ -47,7 +47,7 @@ from core.items import (
 )
 from core.rendering import parse_envelopes
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
-from ctxengine.contract import DEFAULT_PLATFORM_POLICY
+from contract.payloads import DEFAULT_PLATFORM_POLICY
 from tests.integration.fake_llm_servers import (
     FakeServer,
     anthropic_error,

@@ -25,9 +25,9 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
 
 from activities.store import Store
-from ctxengine import names
-from ctxengine.contract import ActivityTimeouts, SessionState, TurnResult
-from ctxengine.embedded import EmbeddedPostgres, dsn_with_database
+from contract import names
+from contract.payloads import ActivityTimeouts, SessionState, TurnResult
+from services.embedded import EmbeddedPostgres, dsn_with_database
 from tests.integration.session_helpers import session_open, stack, start, turn
 from tests.integration.worker_process import WorkerProcess, worker_process
 

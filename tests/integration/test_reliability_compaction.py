@@ -12,8 +12,8 @@ import pytest
 from temporalio.client import Client
 
 from activities.store import Store
-from ctxengine import names
-from ctxengine.contract import ActivityTimeouts, SessionState
+from contract import names
+from contract.payloads import ActivityTimeouts, SessionState
 from tests.integration.session_helpers import session_open, start, turn
 from tests.integration.worker_process import worker_process
 

@@ -27,8 +27,8 @@ with workflow.unsafe.imports_passed_through():
     from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.worker import Replayer
 
-    from ctxengine import names
-    from ctxengine.contract import (
+    from contract import names
+    from contract.payloads import (
         CloseSession,
         EventInput,
         MemoryResult,

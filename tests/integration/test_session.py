@@ -8,8 +8,8 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from ctxengine import names
-from ctxengine.contract import RevokeTool, SessionState, WriteMemory
+from contract import names
+from contract.payloads import RevokeTool, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from temporalio.client import Client
 
-from ctxengine import names
-from ctxengine.contract import RevokeTool, SessionState
+from contract import names
+from contract.payloads import RevokeTool, SessionState
 from tests.integration.child_start_hold import TOOL, HoldChildStart
 from tests.integration.session_helpers import session_open, stack, start, turn
 

@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from temporalio.client import Client
 
-from bench import turns_bench as tb
+from harness.bench import turns_bench as tb
 from tests.conftest import fresh_database
 
 pytestmark = pytest.mark.integration

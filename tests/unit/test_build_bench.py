@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from activities.tokens import TiktokenCounter
-from bench import build_bench as bb
+from harness.bench import build_bench as bb
 from core.items import ToolCall, ToolResult, TrustLevel
 
 REQUIRED = (

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench import cache_bench as cb
+from harness.bench import cache_bench as cb
 
 HEADLINE = (
     "ctxengine_cached_share",

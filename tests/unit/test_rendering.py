@@ -26,7 +26,7 @@ from core.rendering import (
     render_envelope,
     unescape_content,
 )
-from ctxengine.attack_corpus import ATTACKS, REAL_NONCE
+from harness.attack_corpus import ATTACKS, REAL_NONCE
 
 SECRET = b"per-session-secret-for-tests"
 PRE_FIDELITY_FINGERPRINT = "b0d12a504af601e2"  # recorded by prefixes rendered with '<' and '>' always escaped
