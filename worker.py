@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import structlog
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import (
@@ -28,10 +29,13 @@ from temporalio.worker import Interceptor, Worker
 
 from activities.compaction import CompactionActivities
 from activities.context import SessionActivities
-from activities.provider import ModelProvider, build_providers
+from activities.provider import ModelProvider
+from activities.providers import build_providers
 from activities.store import Store
 from activities.tools import Executor
 from contract import names
+from contract.settings import settings
+from services.embedded import ctxengine_home, embedded_postgres, free_port, port_is_free, temporal_dev_server
 from workflows.child_run import ChildRunWorkflow
 from workflows.compaction import CompactionWorkflow
 from workflows.session import SessionWorkflow
@@ -73,15 +77,13 @@ def install_runtime(metrics_address: str | None = None) -> Runtime:
 async def connect(address: str, namespace: str | None = None) -> Client:
     return await Client.connect(
         address,
-        namespace=namespace or os.environ.get("TEMPORAL_NAMESPACE", "default"),
+        namespace=namespace or settings().temporal_namespace,
         data_converter=pydantic_data_converter,
     )
 
 
 async def search_attributes_registered(client: Client) -> bool:
     """Whether this namespace has ctxengine's search attributes (upserting unknown ones would fail tasks)."""
-    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-
     try:
         resp = await client.operator_service.list_search_attributes(
             ListSearchAttributesRequest(namespace=client.namespace)
@@ -99,7 +101,6 @@ async def running_worker(
     *,
     task_queue: str = names.TASK_QUEUE,
     max_cached_workflows: int = 1_000,
-    fault_prefix_timestamp: bool | None = None,
     providers: Mapping[str, ModelProvider] | None = None,
     executors: Mapping[str, Executor] | None = None,
     activities_class: type[SessionActivities] = SessionActivities,
@@ -110,13 +111,10 @@ async def running_worker(
     `providers`, `executors`, `activities_class` and `interceptors` are how the development harness registers
     its adversarial models, tools and faults (production passes none of them).
     """
-    if fault_prefix_timestamp is None:
-        fault_prefix_timestamp = os.environ.get("CTXENGINE_FAULT_PREFIX_TIMESTAMP") == "1"
     activities = activities_class(
         store,
         {**build_providers(), **(providers or {})},
         search_attributes=await search_attributes_registered(client),
-        fault_prefix_timestamp=fault_prefix_timestamp,
         executors=executors,
     )
     worker = Worker(
@@ -132,14 +130,11 @@ async def running_worker(
 
 
 async def main() -> None:
-    from services.embedded import ctxengine_home, embedded_postgres, temporal_dev_server
-
     configure_logging()
     log = structlog.get_logger("ctxengine.worker")
-    metrics = os.environ.get("CTXENGINE_METRICS_ADDRESS", "")
+    config = settings()
+    metrics = config.metrics_address
     if not metrics:  # the default port, or a free one when another worker on this host holds it
-        from services.embedded import free_port, port_is_free
-
         metrics = f"127.0.0.1:{9464 if port_is_free(9464) else free_port()}"
     install_runtime(None if metrics == "off" else metrics)
     async with AsyncExitStack() as stack:
@@ -149,7 +144,7 @@ async def main() -> None:
         client = await connect(address)
         store = await stack.enter_async_context(Store.from_dsn(dsn))
         version = await store.migrate()
-        task_queue = os.environ.get("CTXENGINE_TASK_QUEUE", names.TASK_QUEUE)
+        task_queue = config.task_queue
         log.info(
             "worker.starting",
             metrics=None if metrics == "off" else f"http://{metrics}/metrics",

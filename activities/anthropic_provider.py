@@ -18,7 +18,6 @@ The SDK runs with `max_retries=0`: Temporal owns retries. See docs/providers.md.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,6 +45,7 @@ from activities.provider import (
     ProviderUsage,
     SummaryRequest,
 )
+from contract.settings import settings
 
 ENV_API_KEY = "ANTHROPIC_API_KEY"
 ENV_BASE_URL = "ANTHROPIC_BASE_URL"
@@ -168,7 +168,7 @@ class AnthropicProvider:
     name = "anthropic"
 
     def __init__(self, *, api_key: str, base_url: str | None = None, timeout: float | None = None) -> None:
-        import anthropic
+        import anthropic  # the SDK takes a while to import: only workers that route to it pay for that
 
         self._anthropic = anthropic
         options: dict[str, Any] = {"api_key": api_key, "base_url": base_url, "max_retries": 0}
@@ -178,11 +178,12 @@ class AnthropicProvider:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AnthropicProvider | UnconfiguredProvider:
-        env = os.environ if env is None else env
-        key = env.get(ENV_API_KEY)
+        config = settings(env)
+        secret = config.anthropic_api_key
+        key = secret.get_secret_value() if secret is not None else ""
         if not key:
             return UnconfiguredProvider("anthropic", NOT_CONFIGURED)
-        return cls(api_key=key, base_url=env.get(ENV_BASE_URL) or None)
+        return cls(api_key=key, base_url=config.anthropic_base_url or None)
 
     async def _create(self, kwargs: dict[str, Any], request: ProviderRequest | None, model: str) -> Any:
         anthropic = self._anthropic

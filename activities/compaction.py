@@ -11,6 +11,16 @@ from temporalio.exceptions import ApplicationError
 
 from activities.context import SessionActivities
 from activities.provider import SummaryRequest
+from contract import names
+from contract.events import EventType
+from contract.payloads import (
+    CompactionInput,
+    CompactionOutcome,
+    CompactionStep,
+    FormationInput,
+    FormationResult,
+    SummarizeInput,
+)
 from core.compaction import (
     Checkpoint,
     CompactionDecision,
@@ -21,16 +31,6 @@ from core.compaction import (
 from core.estimator import TokenEstimator
 from core.items import TrustLevel
 from core.working_state import WorkingStateWrite, fold
-from contract import names
-from contract.payloads import (
-    CompactionInput,
-    CompactionOutcome,
-    CompactionStep,
-    FormationInput,
-    FormationResult,
-    SummarizeInput,
-)
-from contract.events import EventType
 
 log = structlog.get_logger("ctxengine.compaction")
 SUMMARY_MAX_TOKENS = 300

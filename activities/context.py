@@ -27,6 +27,24 @@ from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS, Executor
+from contract import names
+from contract.events import EventType
+from contract.payloads import (
+    BuildInput,
+    BuildResult,
+    CloseInput,
+    EventInput,
+    MemoryInput,
+    MemoryResult,
+    ModelInput,
+    ModelResult,
+    OpenInput,
+    OpenResult,
+    SessionOpen,
+    ToolCallRequest,
+    ToolInput,
+    ToolResultSummary,
+)
 from core.build import (
     BodyInputs,
     FrozenPrefix,
@@ -66,24 +84,6 @@ from core.working_state import (
     holds_tainted,
     render,
 )
-from contract import names
-from contract.payloads import (
-    BuildInput,
-    BuildResult,
-    CloseInput,
-    EventInput,
-    MemoryInput,
-    MemoryResult,
-    ModelInput,
-    ModelResult,
-    OpenInput,
-    OpenResult,
-    SessionOpen,
-    ToolCallRequest,
-    ToolInput,
-    ToolResultSummary,
-)
-from contract.events import EventType
 
 log = structlog.get_logger("ctxengine.activities")
 T = TypeVar("T")
@@ -159,10 +159,8 @@ class SessionActivities:
         *,
         search_attributes: bool = False,
         max_sessions_cached: int = 512,
-        fault_prefix_timestamp: bool = False,
         executors: Mapping[str, Executor] | None = None,
     ) -> None:
-        self.fault_prefix_timestamp = fault_prefix_timestamp
         self.executors = EXECUTORS if executors is None else executors
         self.store = store
         self.providers = providers
@@ -360,8 +358,6 @@ class SessionActivities:
         prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
         profile = await self._profile(profile)
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
-        if self.fault_prefix_timestamp:
-            prefix = await self._faulty_prefix(inp, open_, secret, estimator)
         if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
             # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):
             # body bytes may differ from earlier requests. Say so; the operator rotates the epoch.
@@ -422,20 +418,6 @@ class SessionActivities:
             )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
         return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
-
-    async def _faulty_prefix(
-        self, inp: BuildInput, open_: SessionOpen, secret: bytes, estimator: TokenEstimator
-    ) -> FrozenPrefix:
-        """Test-only fault (CTXENGINE_FAULT_PREFIX_TIMESTAMP): the bug ADR-0020 warns of, a timestamp in a header.
-
-        Re-renders the epoch's prefix with the clock appended to the platform policy, so the stability gate
-        and the cache-break explainer can be shown to catch it. Never set in production.
-        """
-        row = await self.store.get_prefix(inp.session_id, inp.epoch)
-        assert row is not None
-        inputs = PrefixInputs.model_validate(row["inputs"])
-        stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
-        return open_prefix(stamped, budget=open_.context_budget(estimator.profile), estimator=estimator, secret=secret)
 
     async def _plan(
         self,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -37,6 +36,8 @@ from activities.provider import (
     SummaryRequest,
 )
 from activities.tokens import TiktokenCounter
+from contract.settings import settings
+from core.rendering import parse_envelopes
 
 # ----------------------------------------------------------------------------------------------------------
 # Wire helpers shared by both adapters (no SDK in here).
@@ -63,8 +64,6 @@ def sorted_json(value: Any) -> Any:
 
 def envelope_content(text: str) -> str:
     """The original content of an enveloped segment (platform text, which has no envelope, as is)."""
-    from core.rendering import parse_envelopes
-
     envelopes = parse_envelopes(text)
     return envelopes[0].content if envelopes else text.rstrip("\n")
 
@@ -430,7 +429,7 @@ class OpenAIProvider:
         counter: TiktokenCounter | None = None,
         timeout: float | None = None,
     ) -> None:
-        import openai
+        import openai  # the SDK takes a while to import: only workers that route to it pay for that
 
         self._openai = openai
         options: dict[str, Any] = {"api_key": api_key, "base_url": base_url, "max_retries": 0}
@@ -443,11 +442,12 @@ class OpenAIProvider:
     def from_env(
         cls, env: Mapping[str, str] | None = None, counter: TiktokenCounter | None = None
     ) -> OpenAIProvider | UnconfiguredProvider:
-        env = os.environ if env is None else env
-        key = env.get(ENV_API_KEY)
+        config = settings(env)
+        secret = config.openai_api_key
+        key = secret.get_secret_value() if secret is not None else ""
         if not key:
             return UnconfiguredProvider("openai", NOT_CONFIGURED)
-        return cls(api_key=key, base_url=env.get(ENV_BASE_URL) or None, counter=counter)
+        return cls(api_key=key, base_url=config.openai_base_url or None, counter=counter)
 
     def _count(self, kwargs: Mapping[str, Any]) -> int:
         counter = self._counter or TiktokenCounter()

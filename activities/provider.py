@@ -211,17 +211,3 @@ def _content_of(rendered: str) -> str:
 def _first_words(text: str, limit: int = 60) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-def build_providers(counter: TiktokenCounter | None = None) -> dict[str, ModelProvider]:
-    """The providers this worker can route to: `scripted` always; `openai` and `anthropic` as adapters when
-    their API key is set in the environment, else as a stand-in whose every call fails non-retryably with a
-    message naming the variables to set (docs/providers.md)."""
-    from activities.anthropic_provider import AnthropicProvider
-    from activities.openai_provider import OpenAIProvider
-
-    return {
-        "scripted": ScriptedProvider(counter),
-        "openai": OpenAIProvider.from_env(counter=counter),
-        "anthropic": AnthropicProvider.from_env(),
-    }

@@ -8,11 +8,12 @@ falls back to cl100k_base and its profile's learned calibration absorbs the diff
 from __future__ import annotations
 
 import hashlib
-import os
 from functools import lru_cache
 
 import structlog
 import tiktoken
+
+from contract.settings import settings
 
 log = structlog.get_logger(__name__)
 
@@ -26,11 +27,11 @@ _URLS = {
 
 
 def _cached_locally(name: str) -> bool:
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR")
+    cache_dir = settings().tiktoken_cache_dir
     url = _URLS.get(name)
     if not cache_dir or url is None:
         return False
-    return os.path.exists(os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))
+    return (cache_dir / hashlib.sha1(url.encode()).hexdigest()).exists()
 
 
 @lru_cache(maxsize=8)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from core.canonical import canonical_json
 from core.errors import UndeclaredRegionError
 
 
@@ -141,8 +142,6 @@ class ToolDefinition(Item):
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def body_text(self) -> str:
-        from core.canonical import canonical_json
-
         return canonical_json({"name": self.name, "description": self.description, "input_schema": self.input_schema})
 
 
@@ -206,8 +205,6 @@ class ToolCall(Item):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
     def body_text(self) -> str:
-        from core.canonical import canonical_json
-
         return canonical_json({"call_id": self.call_id, "tool": self.tool_name, "arguments": self.arguments})
 
 

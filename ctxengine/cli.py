@@ -15,6 +15,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="ctxengine: t
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures measured side by side.")
 app.add_typer(bench_app, name="bench")
 
+# Each command imports what it runs inside its body: `ctxengine --help` and a quick `inspect` should not pay
+# for importing Temporal workers, benchmarks and their peers. (Start-up speed, not cycles: the layers have none.)
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
@@ -155,15 +157,19 @@ def gate(
     """Run a hard gate on the live stack (embedded services unless TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL)."""
     import asyncio
 
+    from activities.context import SessionActivities
+    from harness.faults import PrefixTimestampFault
     from harness.gates import ALL, GATES, run_gate, run_gates
+
+    fault = PrefixTimestampFault if inject_prefix_timestamp else SessionActivities
 
     if name != "all" and name not in GATES:
         typer.echo(f"error: unknown gate {name!r}; choose from {', '.join([*GATES, 'all'])}", err=True)
         raise typer.Exit(2)
     if name == "all":
-        result = asyncio.run(run_gates(list(ALL), fault_prefix_timestamp=inject_prefix_timestamp))
+        result = asyncio.run(run_gates(list(ALL), activities_class=fault))
     else:
-        result = asyncio.run(run_gate(name, fault_prefix_timestamp=inject_prefix_timestamp))
+        result = asyncio.run(run_gate(name, activities_class=fault))
     if as_json:
         sys.stdout.write(json.dumps(result, default=str) + "\n")
     else:

@@ -9,10 +9,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from activities.providers import build_providers
 from activities.tools import DEMO_TOOLS
 from contract import names
 from contract.payloads import RevokeTool, SessionOpen, SessionState, TurnInput, TurnResult, WriteMemory
 from services.stack import services
+from worker import configure_logging, connect, running_worker
 
 DEMO_MODELS = {"scripted": "scripted-1", "openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-6"}
 
@@ -36,12 +38,9 @@ SCRIPT: list[tuple[str, Any]] = [
 async def run_demo(
     *, keep_running: bool = False, provider: str = "scripted", model: str | None = None, console: Console | None = None
 ) -> dict[str, Any]:
-    from worker import configure_logging, connect, running_worker
-
     console = console or Console(width=150)
     if provider not in DEMO_MODELS:
         raise SystemExit(f"unknown provider {provider!r}; choose one of {', '.join(DEMO_MODELS)}")
-    from activities.provider import build_providers
 
     port = build_providers().get(provider)
     if port is not None and not getattr(port, "configured", True):

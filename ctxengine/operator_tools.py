@@ -11,11 +11,11 @@ import yaml
 from pydantic import ValidationError
 
 from activities.tokens import TiktokenCounter
+from contract.payloads import ModelRoute, SessionOpen
 from core.build import PrefixInputs, open_prefix
 from core.estimator import DEFAULT_PROFILES, TokenEstimator
 from core.items import BudgetClass, ToolDefinition
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
-from contract.payloads import ModelRoute, SessionOpen
 
 _VALIDATE_SECRET = b"ctxengine-validate"  # nonces have a fixed length, so any secret measures the same
 

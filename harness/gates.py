@@ -27,19 +27,8 @@ from activities.rebuild import rebuild_session
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import DEMO_TOOLS, EXECUTORS, ToolOutput
-from core.budget import ContextBudget
-from core.build import BodyInputs, build
-from core.errors import OrphanedToolItemError
-from core.estimator import ModelProfile, TokenEstimator
-from core.item_rendering import UNTRUSTED_PROVENANCE
-from core.items import AssistantMessage, ToolCall, ToolResult, TrustLevel
-from core.rendering import derive_nonce, parse_envelopes, render_envelope
-from core.validation import find_orphans
-from core.working_state import WorkingStateWrite, fold
-from core.working_state import entries as ws_entries
 from contract import names
-from harness.adversarial_model import AdversarialProvider
-from harness.attack_corpus import ATTACKS, REAL_NONCE
+from contract.events import EventType
 from contract.payloads import (
     ActivityTimeouts,
     RevokeTool,
@@ -49,7 +38,24 @@ from contract.payloads import (
     TurnResult,
     WriteMemory,
 )
-from contract.events import EventType
+from core.budget import ContextBudget
+from core.build import BodyInputs, PrefixInputs, build, open_prefix
+from core.errors import OrphanedToolItemError
+from core.estimator import ModelProfile, TokenEstimator
+from core.item_rendering import UNTRUSTED_PROVENANCE
+from core.items import AssistantMessage, ToolCall, ToolResult, TrustLevel
+from core.plan import Segment
+from core.rendering import derive_nonce, parse_envelopes, render_envelope
+from core.validation import find_orphans
+from core.working_state import WorkingStateWrite, fold
+from core.working_state import entries as ws_entries
+from harness.adversarial_model import AdversarialProvider
+from harness.attack_corpus import ATTACKS, REAL_NONCE
+from services.stack import services
+from worker import connect, running_worker
+from workflows.child_run import ChildRunWorkflow
+from workflows.compaction import CompactionWorkflow
+from workflows.session import SessionWorkflow
 
 GateFn = Callable[["Stack"], Awaitable[dict[str, Any]]]
 FAST = ActivityTimeouts(build_seconds=10, model_seconds=30, model_heartbeat_seconds=10, tool_seconds=10)
@@ -95,7 +101,6 @@ async def live_stack(
     client: Client | None = None,
     dsn: str | None = None,
     time_skipping: bool = False,
-    fault_prefix_timestamp: bool = False,
     adversarial: bool = False,
     activities_class: type[SessionActivities] = SessionActivities,
 ) -> AsyncIterator[Stack]:
@@ -104,9 +109,6 @@ async def live_stack(
     `adversarial`: the worker's `scripted` model is the adversarial one (harness.adversarial_model).
     `activities_class`: a fault registered by a negative test (a subclass of the production activities).
     """
-    from services.stack import services
-    from worker import connect, running_worker
-
     async with AsyncExitStack() as stack:
         env = None
         if time_skipping:
@@ -132,7 +134,6 @@ async def live_stack(
                 client,
                 store,
                 task_queue=task_queue,
-                fault_prefix_timestamp=fault_prefix_timestamp,
                 providers={"scripted": AdversarialProvider()} if adversarial else None,
                 executors=HARNESS_EXECUTORS,
                 activities_class=activities_class,
@@ -448,8 +449,6 @@ async def gate_budget(s: Stack) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ pairs
 def crafted_orphans() -> tuple[int, int]:
     """Orphans built on purpose (a lone call, a lone result, a result before its call): each is rejected."""
-    from core.build import PrefixInputs, open_prefix
-
     counter = TiktokenCounter()
     estimator = TokenEstimator(ModelProfile(), counter)
     budget = ContextBudget()
@@ -494,8 +493,6 @@ async def gate_pairs(s: Stack) -> dict[str, Any]:
         await s.turn(handle, f"turn {t}\n" + "\n".join(calls[: 1 + t % 4]))
         if t == 8:
             await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"))
-    from core.plan import Segment
-
     checked = orphans_sent = 0
     prefix_rows: dict[int, Any] = {}
     for r in await s.store.records(handle.id):
@@ -522,10 +519,6 @@ async def gate_pairs(s: Stack) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ determinism
 async def gate_determinism(s: Stack) -> dict[str, Any]:
     """Recorded histories replay without non-determinism; rebuilding every recorded request gives the same bytes."""
-    from workflows.child_run import ChildRunWorkflow
-    from workflows.compaction import CompactionWorkflow
-    from workflows.session import SessionWorkflow
-
     handle = await s.start(_open(budget={"context_window": 6_000, "output_reserve": 600}), "determinism")
     for t in range(14):
         extra = '\n/call web.fetch {"url": "fixture://weather"}' if t % 3 == 0 else ""
@@ -572,7 +565,6 @@ async def run_gate(
     *,
     client: Client | None = None,
     dsn: str | None = None,
-    fault_prefix_timestamp: bool = False,
     activities_class: type[SessionActivities] = SessionActivities,
 ) -> dict[str, Any]:
     """Run one gate on a live stack; `activities_class` is how a negative test injects its fault."""
@@ -580,7 +572,6 @@ async def run_gate(
     async with live_stack(
         client=None if options.get("time_skipping") else client,
         dsn=dsn,
-        fault_prefix_timestamp=fault_prefix_timestamp,
         activities_class=activities_class,
         **options,
     ) as stack:

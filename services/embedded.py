@@ -35,6 +35,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -49,6 +50,8 @@ import structlog
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.service import RPCError
+
+from contract.settings import settings
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -112,14 +115,14 @@ class ServiceStartError(RuntimeError):
 
 def ctxengine_home() -> Path:
     """The embedded services' state directory: ``$CTXENGINE_HOME`` or ``./.ctxengine``, created if missing."""
-    home = Path(os.environ.get(ENV_HOME) or DEFAULT_HOME).expanduser().resolve()
+    home = settings().home.expanduser().resolve()
     home.mkdir(parents=True, exist_ok=True)
     return home
 
 
 def temporal_namespace() -> str:
     """The Temporal namespace: ``$TEMPORAL_NAMESPACE`` or ``default``."""
-    return os.environ.get(ENV_TEMPORAL_NAMESPACE) or DEFAULT_NAMESPACE
+    return settings().temporal_namespace
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -275,8 +278,6 @@ class _PgUser:
         try:
             entry = pwd.getpwnam(PG_SYSTEM_USER)
         except KeyError:
-            import subprocess
-
             subprocess.run(
                 ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_SYSTEM_USER],
                 check=True,
@@ -611,7 +612,7 @@ class EmbeddedPostgres:
 async def embedded_postgres(home: Path) -> AsyncIterator[str]:
     """Yield a PostgreSQL DSN: ``$CTXENGINE_DATABASE_URL`` as is, else an embedded server under ``home/pg``
     that is stopped on exit."""
-    external = os.environ.get(ENV_DATABASE_URL)
+    external = settings().database_url
     if external:
         log.info("embedded.postgres.external", dsn=_redact(external))
         yield external
@@ -843,7 +844,7 @@ class EmbeddedTemporal:
 async def temporal_dev_server(home: Path, *, ui: bool = True) -> AsyncIterator[str]:
     """Yield a Temporal target ``host:port``: ``$TEMPORAL_ADDRESS`` as is, else an embedded dev server (state
     in ``home``) that is stopped on exit."""
-    external = os.environ.get(ENV_TEMPORAL_ADDRESS)
+    external = settings().temporal_address
     if external:
         log.info("embedded.temporal.external", address=external, namespace=temporal_namespace())
         yield external

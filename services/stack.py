@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from activities.store import Store
-from services.embedded import ENV_TEMPORAL_ADDRESS, EmbeddedTemporal, ctxengine_home, embedded_postgres
+from contract.settings import settings
+from services.embedded import EmbeddedTemporal, ctxengine_home, embedded_postgres
 
 
 @dataclass
@@ -25,7 +25,7 @@ async def services(*, temporal: bool = True) -> AsyncIterator[Services]:
     async with AsyncExitStack() as stack:
         address, ui = "", None
         if temporal:
-            external = os.environ.get(ENV_TEMPORAL_ADDRESS)
+            external = settings().temporal_address
             if external:
                 address = external
             else:

@@ -13,9 +13,9 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from core.compaction import CompactionDecision
     from contract import names
     from contract.payloads import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
+    from core.compaction import CompactionDecision
 
 RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)

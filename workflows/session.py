@@ -17,8 +17,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from core.working_state import CONTROL_TOOL_NAME
     from contract import names
+    from contract.events import EventType
     from contract.payloads import (
         ChildRunInput,
         ChildRunResult,
@@ -39,7 +39,7 @@ with workflow.unsafe.imports_passed_through():
         TurnResult,
         WriteMemory,
     )
-    from contract.events import EventType
+    from core.working_state import CONTROL_TOOL_NAME
 
 from workflows.child_run import ChildRunWorkflow
 from workflows.turn import RETRY, TurnRunner

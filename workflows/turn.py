@@ -11,10 +11,6 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from core.compaction import CompactionDecision
-    from core.plan import PlanStatus, PlanSummary
-    from core.policy import authorize
-    from core.working_state import CONTROL_TOOL_NAME
     from contract import names
     from contract.payloads import (
         BuildInput,
@@ -31,6 +27,10 @@ with workflow.unsafe.imports_passed_through():
         ToolResultSummary,
         TurnResult,
     )
+    from core.compaction import CompactionDecision
+    from core.plan import PlanStatus, PlanSummary
+    from core.policy import authorize
+    from core.working_state import CONTROL_TOOL_NAME
 
 from workflows.compaction import CompactionWorkflow
 

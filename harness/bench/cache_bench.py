@@ -49,7 +49,6 @@ from activities.anthropic_provider import render_messages_request
 from activities.openai_provider import render_chat_request
 from activities.provider import ProviderRequest, ProviderSegment, extractive_summary
 from activities.tokens import TiktokenCounter
-from harness.bench.build_bench import TextGen, assistant_text, region_a, user_text
 from core.budget import ContextBudget
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
 from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction
@@ -72,6 +71,7 @@ from core.items import (
 )
 from core.plan import PlanStatus, Segment
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
+from harness.bench.build_bench import TextGen, assistant_text, region_a, user_text
 
 # Published list rates, USD per 1M input tokens, from the providers' pricing pages: Anthropic Claude Sonnet
 # 4.5 (base input $3, 5-minute cache write $3.75 = 1.25x, cache read $0.30 = 0.1x) and OpenAI gpt-4o

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from activities.tokens import TiktokenCounter
-from harness.bench.rendering_corpus import code_corpus, html_corpus, json_corpus, markdown_corpus
 from core.rendering import ESCAPING_FINGERPRINT, escape_content
+from harness.bench.rendering_corpus import code_corpus, html_corpus, json_corpus, markdown_corpus
 from harness.gates import rendering_attacks
 
 OVERHEAD_TARGET = 1.03

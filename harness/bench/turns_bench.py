@@ -49,6 +49,8 @@ from temporalio.worker import Worker
 
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
+from contract import names
+from contract.payloads import SessionOpen, TurnInput, TurnResult
 from harness.bench.floor_workflow import (
     FLOOR_ACTIVITIES,
     UPDATE_TURN,
@@ -58,8 +60,6 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
-from contract import names
-from contract.payloads import SessionOpen, TurnInput, TurnResult
 from worker import connect, running_worker
 
 # Targets from the issue.

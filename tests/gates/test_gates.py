@@ -3,12 +3,10 @@ stability) and a fresh PostgreSQL database each."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from temporalio.client import Client
 
-from activities.context import SessionActivities
+from harness.faults import PrefixTimestampFault, TaintOff
 from harness.gates import run_gate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -33,19 +31,12 @@ async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> N
 async def test_injected_timestamp_fails_stability_and_is_explained(temporal_client: Client, pg_dsn: str) -> None:
     """A timestamp injected into the prefix (test-only switch) fails the gate; the violation event names the
     offending segment."""
-    result = await run_gate("stability", client=temporal_client, dsn=pg_dsn, fault_prefix_timestamp=True)
+    result = await run_gate("stability", client=temporal_client, dsn=pg_dsn, activities_class=PrefixTimestampFault)
     assert not result["passed"]
     assert result["distinct_prefix_hashes"] > 1 and result["violation_events"] >= 1
     diff = result["violation"]["first_difference"]
     assert diff["item_id"] == "platform.1.policy" and diff["budget_class"] == "platform_policy"
     assert "Rendered at" in diff["actual"]
-
-
-class TaintOff(SessionActivities):
-    """The fault the trust gates guard against: taint propagation switched off (replies never tainted)."""
-
-    def reply_tainted(self, plan: dict[str, Any]) -> bool:
-        return False
 
 
 @pytest.mark.parametrize("name", ["compaction", "trust"])

@@ -11,8 +11,8 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from activities.tokens import TiktokenCounter
-from ctxengine.cli import app
 from contract.payloads import SessionOpen
+from ctxengine.cli import app
 from ctxengine.operator_tools import validate_config
 from tests.integration.session_helpers import session_open, stack, start, turn
 

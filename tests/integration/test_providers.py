@@ -24,9 +24,10 @@ from activities.provider import (
     ProviderRequest,
     ProviderSegment,
     SummaryRequest,
-    build_providers,
 )
+from activities.providers import build_providers
 from activities.tokens import TiktokenCounter
+from contract.payloads import DEFAULT_PLATFORM_POLICY
 from core.budget import ContextBudget
 from core.build import BodyInputs, PrefixInputs, RenderCache, build, open_prefix
 from core.estimator import ModelProfile, TokenEstimator
@@ -47,7 +48,6 @@ from core.items import (
 )
 from core.rendering import parse_envelopes
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
-from contract.payloads import DEFAULT_PLATFORM_POLICY
 from tests.integration.fake_llm_servers import (
     FakeServer,
     anthropic_error,

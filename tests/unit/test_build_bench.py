@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from activities.tokens import TiktokenCounter
-from harness.bench import build_bench as bb
 from core.items import ToolCall, ToolResult, TrustLevel
+from harness.bench import build_bench as bb
 
 REQUIRED = (
     "warm_p50_ms",

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 import core.rendering
+from ctxengine.cli import app
 from harness.bench import rendering_bench as rb
 from harness.bench.rendering_corpus import ARTICLE_HTML, code_corpus, html_corpus, json_corpus, markdown_corpus
-from ctxengine.cli import app
 from harness.gates import rendering_attacks
 
 OVERHEADS = ("overhead_html", "overhead_markdown", "overhead_code", "overhead_json")

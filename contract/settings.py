@@ -1,0 +1,49 @@
+"""Every environment variable ctxengine reads, in one pydantic-settings object (docs/operations.md).
+
+Production code reads configuration only through `settings()`; nothing else touches `os.environ`. Values are
+validated when read, so a malformed variable fails at start with its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from contract.names import TASK_QUEUE
+
+
+class Settings(BaseSettings):
+    """The process's configuration. Field aliases are the variable names (no prefix magic)."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    temporal_address: str | None = Field(default=None, validation_alias="TEMPORAL_ADDRESS")
+    temporal_namespace: str = Field(default="default", min_length=1, validation_alias="TEMPORAL_NAMESPACE")
+    database_url: str | None = Field(default=None, validation_alias="CTXENGINE_DATABASE_URL")
+    home: Path = Field(default=Path(".ctxengine"), validation_alias="CTXENGINE_HOME")
+    task_queue: str = Field(default=TASK_QUEUE, min_length=1, validation_alias="CTXENGINE_TASK_QUEUE")
+    # host:port of the worker's Prometheus endpoint; "" picks 127.0.0.1:9464 or a free port; "off" disables it.
+    metrics_address: str = Field(default="", validation_alias="CTXENGINE_METRICS_ADDRESS")
+    tiktoken_cache_dir: Path | None = Field(default=None, validation_alias="TIKTOKEN_CACHE_DIR")
+    openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
+    openai_base_url: str | None = Field(default=None, validation_alias="OPENAI_BASE_URL")
+    anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+    anthropic_base_url: str | None = Field(default=None, validation_alias="ANTHROPIC_BASE_URL")
+
+
+class SettingsError(ValueError):
+    """An environment variable that does not validate; the message names it."""
+
+
+def settings(env: Mapping[str, str] | None = None) -> Settings:
+    """The configuration as the environment says now (read at each call: tests and the CLI set variables),
+    or as `env` says (a mapping of variable names, nothing read from the process)."""
+    try:
+        return Settings() if env is None else Settings.model_validate(dict(env))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(p) for p in first["loc"])
+        raise SettingsError(f"environment variable {name}: {first['msg']}") from None
