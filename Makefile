@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,embedded]'
 	touch $(STAMP)
 
 .PHONY: install test demo bench lint
@@ -25,4 +25,5 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy core
+	$(BIN)/mypy core contract activities workflows services ctxengine harness worker.py
+	$(BIN)/lint-imports

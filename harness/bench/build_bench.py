@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import tiktoken
@@ -575,6 +576,10 @@ def timed_section() -> Iterator[None]:
             gc.enable()
 
 
+def _join_and_hash(texts: list[str]) -> str:
+    return hashlib.sha256("".join(texts).encode()).hexdigest()
+
+
 def clock(fn: Callable[[], Any]) -> tuple[int, Any]:
     t0 = time.perf_counter_ns()
     value = fn()
@@ -664,7 +669,7 @@ def measure_builds(
         for i in range(cold_rounds):
             cache = RenderCache(SECRET)
             before = counter.calls
-            ns, _ = clock(lambda c=cache: run_build(body, c))
+            ns, _ = clock(partial(run_build, body, cache))
             result.cold_ns.append(ns)
             if i == 0:
                 result.counts_cold = counter.calls - before
@@ -683,7 +688,7 @@ def measure_builds(
             session = session.next_turn(next(texts))
             ns_body, body = clock(session.body)
             before = counter.calls
-            ns, plan = clock(lambda b=body: run_build(b, cache))
+            ns, plan = clock(partial(run_build, body, cache))
             result.counts_warm.append(counter.calls - before)
             result.warm_ns.append(ns)
             result.body_ns.append(ns_body)
@@ -701,7 +706,7 @@ def measure_floor(inputs: Sequence[tuple[list[str], str]], progress: _Progress, 
     floor_ns: list[int] = []
     with timed_section():
         for texts, request_sha256 in inputs:
-            ns, digest = clock(lambda t=texts: hashlib.sha256("".join(t).encode()).hexdigest())
+            ns, digest = clock(partial(_join_and_hash, texts))
             floor_ns.append(ns)
             if digest != request_sha256:
                 raise AssertionError("the floor must hash the same bytes the build produced")
@@ -790,7 +795,7 @@ def run(
         kept: list[int] = []
         with timed_section():
             for messages in lc_turns:
-                ns, trimmed = clock(lambda m=messages: trim(m, cached))
+                ns, trimmed = clock(partial(trim, messages, cached))
                 cached_ns.append(ns)
                 kept.append(len(trimmed))
                 bar.advance()
@@ -800,7 +805,7 @@ def run(
         docs_ns: list[int] = []
         with timed_section():
             for i, messages in enumerate(lc_turns[:docs_rounds]):
-                ns, trimmed_docs = clock(lambda m=messages: trim(m, docs_tiktoken_counter))
+                ns, trimmed_docs = clock(partial(trim, messages, docs_tiktoken_counter))
                 docs_ns.append(ns)
                 if len(trimmed_docs) != kept[i]:
                     raise AssertionError("both counters must keep the same messages")

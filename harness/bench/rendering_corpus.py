@@ -220,7 +220,8 @@ def markdown_corpus() -> list[str]:
             meta = importlib.metadata.metadata(package)
         except importlib.metadata.PackageNotFoundError:
             continue
-        if "markdown" in (meta.get("Description-Content-Type") or "") and (body := meta.get_payload()):
+        kind = meta.json.get("description_content_type") or ""
+        if "markdown" in str(kind) and (body := meta.json.get("description")):
             docs.append(str(body))
     readme = REPO / "README.md"
     if readme.exists():
