@@ -18,6 +18,7 @@ The SDK runs with `max_retries=0`: Temporal owns retries. See docs/providers.md.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,7 @@ from activities.provider import (
     ProviderUsage,
     SummaryRequest,
 )
+from activities.wire import wire_prefix
 
 ENV_API_KEY = "ANTHROPIC_API_KEY"
 ENV_BASE_URL = "ANTHROPIC_BASE_URL"
@@ -222,10 +224,24 @@ class AnthropicProvider:
             request_id=exc.request_id,
         )
 
+    async def _create_raw(self, kwargs: dict[str, Any], request: ProviderRequest) -> tuple[Any, bytes]:
+        """Like `_create`, and the request body's bytes exactly as sent (for the wire hash)."""
+        anthropic = self._anthropic
+        try:
+            raw = await self.client.messages.with_raw_response.create(**kwargs)
+        except anthropic.APIStatusError as exc:
+            raise self._status_error(exc, request, request.model) from exc
+        except anthropic.APITimeoutError as exc:
+            raise connection_error(self.name, exc, timeout=True) from exc
+        except anthropic.APIConnectionError as exc:
+            raise connection_error(self.name, exc, timeout=False) from exc
+        parsed = raw.parse()
+        return (await parsed if inspect.isawaitable(parsed) else parsed), bytes(raw.http_request.content)
+
     async def complete(self, request: ProviderRequest) -> ProviderReply:
         kwargs, names = render_messages_request(request)
-        message = await self._create(kwargs, request, request.model)
-        return read_message(message, names)
+        message, sent = await self._create_raw(kwargs, request)
+        return read_message(message, names).model_copy(update={"wire_prefix": wire_prefix(sent, "anthropic")})
 
     async def summarize(self, request: SummaryRequest) -> ProviderReply:
         kwargs = {

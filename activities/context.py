@@ -27,6 +27,7 @@ from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS, Executor
+from activities.wire import WirePrefix
 from core.build import (
     BodyInputs,
     FrozenPrefix,
@@ -40,7 +41,7 @@ from core.build import (
 from core.compaction import Checkpoint
 from core.errors import ContextError, PrefixOverflowError, ToolTrustCeilingError
 from core.estimator import ModelProfile, TokenEstimator, reconcile
-from core.explain import first_difference
+from core.explain import first_difference, first_wire_difference
 from core.items import (
     AssistantMessage,
     HistoryItem,
@@ -536,6 +537,8 @@ class SessionActivities:
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
         reply = await _heartbeating(provider.complete(request))
+        if reply.wire_prefix is not None:
+            await self._record_wire_prefix(inp, reply.wire_prefix)
         # Usage first (the first attempt's figures win), then the reply's items, all or none of them.
         await self.store.record_usage(
             inp.session_id,
@@ -605,6 +608,29 @@ class SessionActivities:
             record["estimated_tokens"],
             overrun=rec.overrun,
         )
+
+    async def _record_wire_prefix(self, inp: ModelInput, wire: WirePrefix) -> None:
+        """Store the request's wire prefix hash; a second distinct one in the epoch is the prefix defect
+        (`context.prefix.violation`), explained at the first differing byte of what was sent."""
+        distinct = await self.store.record_wire_prefix(
+            inp.session_id, inp.turn, inp.call_index, epoch=inp.epoch, sha256=wire.sha256, text=wire.text
+        )
+        if len(distinct) > 1 and wire.sha256 != distinct[0]["sha256"]:
+            diff = first_wire_difference(distinct[0]["text"], wire.text)
+            await self._event(
+                inp.session_id,
+                f"violation:{inp.epoch}:wire:{wire.sha256}",
+                EventType.PREFIX_VIOLATION,
+                inp.turn,
+                inp.epoch,
+                {
+                    "observer": "wire",
+                    "expected": distinct[0]["sha256"],
+                    "got": wire.sha256,
+                    "distinct_in_epoch": len(distinct),
+                    "first_difference": diff.model_dump() if diff else None,
+                },
+            )
 
     @activity.defn(name=names.ACTIVITY_TOOL)
     async def execute_tool(self, inp: ToolInput) -> ToolResultSummary:

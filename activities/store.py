@@ -87,6 +87,14 @@ SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn
 SQL_RECORD_USAGE = """
 UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
 WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL"""
+SQL_RECORD_WIRE = """
+UPDATE request_records SET wire_prefix_sha256 = $4
+WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND wire_prefix_sha256 IS NULL"""
+SQL_PUT_WIRE_PREFIX = """
+INSERT INTO wire_prefixes (session_id, epoch, sha256, text, first_turn) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (session_id, epoch, sha256) DO NOTHING"""
+SQL_WIRE_PREFIXES = """
+SELECT sha256, text, first_turn FROM wire_prefixes WHERE session_id = $1 AND epoch = $2 ORDER BY position"""
 SQL_GROUP_LOGGED = "SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $2) LIMIT 1"
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
@@ -397,6 +405,19 @@ class Store:
         self, session_id: str, turn: int, call_index: int, *, actual: int, cached: int, output: int
     ) -> None:
         await self.pool.execute(SQL_RECORD_USAGE, session_id, turn, call_index, actual, cached, output)
+
+    async def record_wire_prefix(
+        self, session_id: str, turn: int, call_index: int, *, epoch: int, sha256: str, text: str
+    ) -> list[asyncpg.Record]:
+        """Record a request's wire prefix hash (the first attempt's wins) and keep each distinct wire prefix of
+        the epoch once; returns the epoch's distinct wire prefixes, first seen first."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(SQL_RECORD_WIRE, session_id, turn, call_index, sha256)
+            await conn.execute(SQL_PUT_WIRE_PREFIX, session_id, epoch, sha256, text, turn)
+            return list(await conn.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
+
+    async def wire_prefixes(self, session_id: str, epoch: int) -> list[asyncpg.Record]:
+        return list(await self.pool.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
 
     # ------------------------------------------------------------ events
     async def add_event(
