@@ -10,7 +10,7 @@ import random
 import re
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -50,6 +50,8 @@ from ctxengine.contract import (
     WriteMemory,
 )
 from ctxengine.events import EventType
+from ctxengine.protocol_servers import ProtocolServers, protocol_servers
+from ctxengine.wire_gates import check_wire_stability
 
 GateFn = Callable[["Stack"], Awaitable[dict[str, Any]]]
 FAST = ActivityTimeouts(build_seconds=10, model_seconds=30, model_heartbeat_seconds=10, tool_seconds=10)
@@ -62,6 +64,7 @@ class Stack:
     task_queue: str
     env: WorkflowEnvironment | None = None
     adversarial: bool = False  # the worker's `scripted` model is the adversarial one
+    wire: ProtocolServers | None = None  # the `openai` and `anthropic` routes reach these local servers
 
     async def start(self, open_: SessionOpen, prefix: str = "gate") -> WorkflowHandle[Any, Any]:
         return await self.client.start_workflow(
@@ -98,11 +101,16 @@ async def live_stack(
     fault_prefix_timestamp: bool = False,
     adversarial: bool = False,
     activities_class: type[SessionActivities] = SessionActivities,
+    wire: bool = False,
+    wire_adapters: Mapping[str, type[Any]] | None = None,
 ) -> AsyncIterator[Stack]:
     """A worker on a fresh task queue against real Temporal and PostgreSQL (given, or embedded).
 
     `adversarial`: the worker's `scripted` model is the adversarial one (ctxengine.adversarial_model).
     `activities_class`: a fault registered by a negative test (a subclass of the production activities).
+    `wire`: the `openai` and `anthropic` routes use the real adapters against local protocol servers that
+    record every request body (ctxengine/protocol_servers.py); `wire_adapters` replaces an adapter class by
+    a negative test's subclass (`{"openai": FaultyAdapter}`).
     """
     from ctxengine.services import services
     from worker import connect, running_worker
@@ -127,32 +135,76 @@ async def live_stack(
             store = await stack.enter_async_context(Store.from_dsn(dsn))
             await store.migrate()
         task_queue = f"gate-{uuid.uuid4().hex[:8]}"
+        servers = stack.enter_context(protocol_servers()) if wire else None
+        providers: dict[str, Any] = {"scripted": AdversarialProvider()} if adversarial else {}
+        if servers is not None:
+            adapters = wire_adapters or {}
+            providers.update(servers.providers(adapters.get("openai"), adapters.get("anthropic")))
         await stack.enter_async_context(
             running_worker(
                 client,
                 store,
                 task_queue=task_queue,
                 fault_prefix_timestamp=fault_prefix_timestamp,
-                providers={"scripted": AdversarialProvider()} if adversarial else None,
+                providers=providers or None,
                 executors=HARNESS_EXECUTORS,
                 activities_class=activities_class,
             )
         )
-        yield Stack(client=client, store=store, task_queue=task_queue, env=env, adversarial=adversarial)
+        yield Stack(client=client, store=store, task_queue=task_queue, env=env, adversarial=adversarial, wire=servers)
 
 
 # ------------------------------------------------------------------------------------------------ stability
 async def gate_stability(s: Stack) -> dict[str, Any]:
     """Fifty turns: the clock crosses midnight, a tool is revoked, memory written then corrected, compaction
-    forced by a small window. Exactly one distinct prefix_sha256, read back from the request records."""
+    forced by a small window; once through the OpenAI adapter and once through the Anthropic adapter, against
+    protocol servers that record the bodies. Exactly one distinct prefix_sha256 per session, read back from the
+    request records; and, read from the recorded bodies themselves (ctxengine/wire_gates.py), one wire prefix
+    per epoch and no history break between consecutive requests that a yield or a compaction does not explain."""
     assert s.env is not None, "the stability gate runs on the time-skipping server (its clock crosses midnight)"
+    assert s.wire is not None, "the stability gate drives the adapters against protocol servers (wire=True)"
+    sessions = [await _stability_session(s, provider) for provider in ("openai", "anthropic")]
+    wire = [w for _, w in sessions]
+    figures = [f for f, _ in sessions]
+    faults = [fault for w in wire for fault in w["faults"]]
+    checked = sum(w["wire_requests_checked"] for w in wire)
+    per_epoch = max(w["wire_prefix_hashes_per_epoch"] for w in wire)
+    unexplained = sum(w["history_breaks_unexplained"] for w in wire)
+    passed = all(f["passed"] for f in figures) and not faults and checked >= 60 and per_epoch == 1
+    return {
+        "passed": passed,
+        "wire_requests_checked": checked,
+        "wire_prefix_hashes_per_epoch": per_epoch,
+        "history_breaks_unexplained": unexplained,
+        "history_breaks_explained": {
+            cause: sum(w["history_breaks_explained"].get(cause, 0) for w in wire)
+            for cause in sorted({c for w in wire for c in w["history_breaks_explained"]})
+        },
+        "faults": faults,
+        "turns": sum(f["turns"] for f in figures),
+        "requests": sum(f["requests"] for f in figures),
+        "distinct_prefix_hashes": max(f["distinct_prefix_hashes"] for f in figures),
+        "compactions": sum(f["compactions"] for f in figures),
+        "tool_denials": sum(f["tool_denials"] for f in figures),
+        "violation_events": sum(f["violation_events"] for f in figures),
+        "violation": next((f["violation"] for f in figures if f["violation"]), None),
+        "sessions": {f["provider"]: {**f, "wire": w} for f, w in sessions},
+    }
+
+
+async def _stability_session(s: Stack, provider: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One fifty-turn session on `provider`'s route: its record figures, and the wire check of its bodies."""
+    assert s.env is not None and s.wire is not None
+    server = s.wire.openai if provider == "openai" else s.wire.anthropic
+    server.reset()
     scope = f"stability-{uuid.uuid4().hex[:6]}"
     await s.store.write_memory(scope, "home", "The user lives in Bergen.", trust="USER", session_id=None, corrects=None)
+    route = {"provider": provider, "model": f"wire-{provider}", "encoding": "cl100k_base"}
     handle = await s.start(
-        _open(memory_scope=scope, budget={"context_window": 7_000, "output_reserve": 800}), "stability"
+        _open(memory_scope=scope, model_route=route, budget={"context_window": 7_000, "output_reserve": 800}),
+        f"stability-{provider}",
     )
     midnight_turn = 24
-    dates = set()
     for t in range(1, 51):
         if t == midnight_turn:  # jump to 23:57 server time; the next turns step a minute at a time
             now = await s.env.get_current_time()
@@ -174,14 +226,16 @@ async def gate_stability(s: Stack) -> dict[str, Any]:
         await s.turn(handle, text)
         if midnight_turn <= t < midnight_turn + 8:
             await s.env.sleep(timedelta(minutes=1))
-    records = await s.store.records(handle.id)
+    records = [dict(r) for r in await s.store.records(handle.id)]
     dates = {r["inputs"]["now_iso"][:10] for r in records}
     state = await s.state(handle)
     hashes = {r["prefix_sha256"] for r in records}
     violations = [e for e in await s.store.events(handle.id) if e["type"] == "context.prefix.violation"]
+    wire = check_wire_stability(list(server.requests), records)
     passed = len(hashes) == 1 and state.turns == 50 and len(dates) >= 2 and state.metrics.compactions >= 1
-    return {
-        "passed": passed,
+    figures = {
+        "passed": passed and not violations,
+        "provider": provider,
         "session_id": handle.id,
         "turns": state.turns,
         "requests": len(records),
@@ -194,6 +248,7 @@ async def gate_stability(s: Stack) -> dict[str, Any]:
         "violation_events": len(violations),
         "violation": dict(violations[0]["payload"]) if violations else None,
     }
+    return figures, wire
 
 
 # ------------------------------------------------------------------------------------------------ compaction
@@ -557,7 +612,7 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
 
 
 GATES: dict[str, tuple[GateFn, dict[str, Any]]] = {
-    "stability": (gate_stability, {"time_skipping": True}),
+    "stability": (gate_stability, {"time_skipping": True, "wire": True}),
     "trust": (gate_trust, {"adversarial": True}),
     "budget": (gate_budget, {}),
     "pairs": (gate_pairs, {}),
@@ -574,14 +629,17 @@ async def run_gate(
     dsn: str | None = None,
     fault_prefix_timestamp: bool = False,
     activities_class: type[SessionActivities] = SessionActivities,
+    wire_adapters: Mapping[str, type[Any]] | None = None,
 ) -> dict[str, Any]:
-    """Run one gate on a live stack; `activities_class` is how a negative test injects its fault."""
+    """Run one gate on a live stack; `activities_class` and `wire_adapters` are how a negative test injects
+    its fault."""
     fn, options = GATES[name]
     async with live_stack(
         client=None if options.get("time_skipping") else client,
         dsn=dsn,
         fault_prefix_timestamp=fault_prefix_timestamp,
         activities_class=activities_class,
+        wire_adapters=wire_adapters,
         **options,
     ) as stack:
         return await fn(stack)

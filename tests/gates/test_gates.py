@@ -9,6 +9,9 @@ import pytest
 from temporalio.client import Client
 
 from activities.context import SessionActivities
+from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
+from activities.provider import ProviderReply, ProviderRequest
+from activities.wire import wire_prefix
 from ctxengine.gates import run_gate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -20,8 +23,11 @@ async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> N
     result = await run_gate(name, client=temporal_client, dsn=pg_dsn)
     assert result["passed"], result
     if name == "stability":
-        assert result["turns"] == 50 and result["distinct_prefix_hashes"] == 1
-        assert len(result["dates_seen"]) >= 2 and result["tool_denials"] >= 1 and result["compactions"] >= 1
+        assert result["turns"] == 100 and result["distinct_prefix_hashes"] == 1
+        assert result["wire_requests_checked"] >= 60 and result["wire_prefix_hashes_per_epoch"] == 1
+        assert result["history_breaks_unexplained"] == 0 and result["tool_denials"] >= 1
+        for session in result["sessions"].values():
+            assert len(session["dates_seen"]) >= 2 and session["compactions"] >= 1
     if name in ("trust", "compaction"):
         assert result["adversarial_model"] is True and result["tool_trust_raises_refused"] >= 1
         assert result["untrusted_marker_bytes_in_summaries"] == 0
@@ -39,6 +45,33 @@ async def test_injected_timestamp_fails_stability_and_is_explained(temporal_clie
     diff = result["violation"]["first_difference"]
     assert diff["item_id"] == "platform.1.policy" and diff["budget_class"] == "platform_policy"
     assert "Rendered at" in diff["actual"]
+
+
+class RequestIdInSystemPrompt(OpenAIProvider):
+    """The fault the wire observer guards against: an adapter that appends a request id to the system prompt
+    (ctxengine's own prefix hash cannot see it; the bytes on the wire change every request)."""
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        kwargs, names = render_chat_request(request)
+        kwargs["messages"][0]["content"] += f"\nRequest id: {request.request_sha256[:12]}"
+        completion, sent = await self._create_raw(kwargs, request)
+        reply = read_completion(completion, names, fallback_input_tokens=0)
+        return reply.model_copy(update={"wire_prefix": wire_prefix(sent, "openai")})
+
+
+async def test_negative_request_id_in_system_prompt_fails_stability(temporal_client: Client, pg_dsn: str) -> None:
+    """An adapter that stamps a request id into the system message fails the stability gate on the wire (the
+    plan's prefix hash stays single), and the violation event points at the wire bytes."""
+    result = await run_gate(
+        "stability", client=temporal_client, dsn=pg_dsn, wire_adapters={"openai": RequestIdInSystemPrompt}
+    )
+    assert not result["passed"]
+    assert result["distinct_prefix_hashes"] == 1
+    assert result["wire_prefix_hashes_per_epoch"] > 1
+    assert any(f.startswith("wire_prefix_changed_within_epoch") for f in result["faults"]), result["faults"]
+    violation = result["sessions"]["openai"]["violation"]
+    assert violation["observer"] == "wire" and violation["first_difference"]["part"] == "system"
+    assert "Request id:" in violation["first_difference"]["actual"]
 
 
 class TaintOff(SessionActivities):
