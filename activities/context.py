@@ -37,6 +37,8 @@ from core.build import (
     counter_key,
     measure_working_state,
     open_prefix,
+    operator_tool,
+    region_a_inputs,
 )
 from core.compaction import Checkpoint
 from core.errors import ContextError, PrefixOverflowError, ToolTrustCeilingError
@@ -47,7 +49,6 @@ from core.items import (
     HistoryItem,
     MemorySnapshotEntry,
     ToolCall,
-    ToolDefinition,
     ToolResult,
     TrustLevel,
     parse_history_item,
@@ -56,13 +57,11 @@ from core.plan import ContextPlan, Segment
 from core.policy import result_trust
 from core.rendering import ESCAPING_FINGERPRINT, escape_content
 from core.working_state import (
-    CONTROL_TOOL_DESCRIPTION,
     CONTROL_TOOL_NAME,
     WorkingState,
     WorkingStateUpdate,
     WorkingStateWrite,
     apply,
-    control_tool_schema,
     fold,
     holds_tainted,
     render,
@@ -260,24 +259,14 @@ class SessionActivities:
             ) from exc
         profile = await self._profile(inp.open.model_route.profile())
         tools = [
-            ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
-            for t in inp.open.tools
-            if t.name not in inp.revoked
+            operator_tool(t.name, t.description, t.input_schema) for t in inp.open.tools if t.name not in inp.revoked
         ]
-        tools.append(
-            ToolDefinition(
-                id=f"tool.{CONTROL_TOOL_NAME}",
-                name=CONTROL_TOOL_NAME,
-                description=CONTROL_TOOL_DESCRIPTION,
-                input_schema=control_tool_schema(),
-            )
-        )
         snapshot = [
             MemorySnapshotEntry(id=f"memory.{r['memory_id']}", memory_id=r["memory_id"], text=r["text"])
             for r in await self.store.snapshot_memories(inp.open.memory_scope, budget.memory_snapshot_max_items)
         ]
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
-        prefix_inputs = PrefixInputs(
+        prefix_inputs = region_a_inputs(
             epoch=inp.epoch,
             platform_policy=inp.open.platform_policy,
             agent_instructions=inp.open.agent_instructions,

@@ -51,7 +51,16 @@ from activities.provider import ProviderRequest, ProviderSegment, extractive_sum
 from activities.tokens import TiktokenCounter
 from bench.build_bench import TextGen, assistant_text, region_a, user_text
 from core.budget import ContextBudget
-from core.build import BodyInputs, FrozenPrefix, PrefixInputs, RenderCache, build, open_prefix
+from core.build import (
+    BodyInputs,
+    FrozenPrefix,
+    PrefixInputs,
+    RenderCache,
+    build,
+    open_prefix,
+    operator_tool,
+    region_a_inputs,
+)
 from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoint, plan_compaction
 from core.estimator import ModelProfile, TokenEstimator
 from core.items import (
@@ -63,7 +72,6 @@ from core.items import (
     Item,
     RecallItem,
     ToolCall,
-    ToolDefinition,
     ToolResult,
     TrustLevel,
     TurnContext,
@@ -71,7 +79,7 @@ from core.items import (
     WorkingStateBlock,
 )
 from core.plan import PlanStatus, Segment
-from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
+from core.working_state import CONTROL_TOOL_NAME
 
 # Published list rates, USD per 1M input tokens, from the providers' pricing pages: Anthropic Claude Sonnet
 # 4.5 (base input $3, 5-minute cache write $3.75 = 1.25x, cache read $0.30 = 0.1x) and OpenAI gpt-4o
@@ -184,16 +192,13 @@ def _prefix_inputs(gen: TextGen) -> PrefixInputs:
             "properties": {k: {"type": v, "description": f"the {k}"} for k, v in props.items()},
             "required": sorted(props),
         }
-        tools.append(ToolDefinition(id=f"tool.{name}", name=name, description=description, input_schema=schema))
-    tools.append(
-        ToolDefinition(
-            id=f"tool.{CONTROL_TOOL_NAME}",
-            name=CONTROL_TOOL_NAME,
-            description=CONTROL_TOOL_DESCRIPTION,
-            input_schema=control_tool_schema(),
-        )
+        tools.append(operator_tool(name, description, schema))
+    return region_a_inputs(  # the same Region A a session open assembles (core/build.py)
+        platform_policy=base.platform_policy,
+        agent_instructions=base.agent_instructions,
+        tools=tools,
+        memory_snapshot=base.memory_snapshot,
     )
-    return base.model_copy(update={"tools": tools})
 
 
 def _tool_use(gen: TextGen, tool: str) -> ToolUse:

@@ -46,7 +46,7 @@ from core.order import assembly_order
 from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
 from core.rendering import ESCAPING_FINGERPRINT, FRAMING_TEXT
 from core.validation import PairState, validate_pairs
-from core.working_state import CONTROL_TOOL_NAME
+from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
 
 FRAMING_ID = "platform.2.framing"
 WORKING_STATE_ID = "working_state"  # one id for the block, so the write-time measure is exactly build's
@@ -63,6 +63,44 @@ class PrefixInputs(BaseModel):
     agent_instructions: str
     tools: list[ToolDefinition] = Field(default_factory=list)
     memory_snapshot: list[MemorySnapshotEntry] = Field(default_factory=list)
+
+
+def operator_tool(name: str, description: str, input_schema: dict[str, Any] | None) -> ToolDefinition:
+    """An operator's tool definition as Region A pins it."""
+    schema = {} if input_schema is None else {"input_schema": input_schema}
+    return ToolDefinition(id=f"tool.{name}", name=name, description=description, **schema)
+
+
+def region_a_inputs(
+    *,
+    platform_policy: str,
+    agent_instructions: str,
+    tools: Sequence[ToolDefinition],
+    memory_snapshot: Sequence[MemorySnapshotEntry] = (),
+    epoch: int = 1,
+) -> PrefixInputs:
+    """Region A's inputs, assembled once for every caller (session open, `ctxengine validate`, the benches):
+    the operator's tools in their order, then the platform's working-state control tool, which the operator's
+    30-tool count cap does not include (`open_prefix`) but whose tokens count against the tools' token cap."""
+    operator = [t for t in tools if t.name != CONTROL_TOOL_NAME]
+    control = ToolDefinition(
+        id=f"tool.{CONTROL_TOOL_NAME}",
+        name=CONTROL_TOOL_NAME,
+        description=CONTROL_TOOL_DESCRIPTION,
+        input_schema=control_tool_schema(),
+    )
+    return PrefixInputs(
+        epoch=epoch,
+        platform_policy=platform_policy,
+        agent_instructions=agent_instructions,
+        tools=[*operator, control],
+        memory_snapshot=list(memory_snapshot),
+    )
+
+
+def operator_tool_count(inputs: PrefixInputs) -> int:
+    """How many of Region A's tools count against the operator's cap (all but the platform's control tool)."""
+    return sum(1 for t in inputs.tools if t.name != CONTROL_TOOL_NAME)
 
 
 class FrozenPrefix(BaseModel):
@@ -249,9 +287,8 @@ def open_prefix(
     """Render Region A, measure every class exactly, and refuse to open if any class is over its cap."""
     # The count cap is the operator's: the platform's own control tool does not take one of the 30 places
     # (its tokens still count against the tools' token cap).
-    operator_tools = [t for t in inputs.tools if t.name != CONTROL_TOOL_NAME]
-    if len(operator_tools) > budget.tools_max_count:
-        raise PrefixOverflowError("tools", len(operator_tools), budget.tools_max_count, unit="tools")
+    if operator_tool_count(inputs) > budget.tools_max_count:
+        raise PrefixOverflowError("tools", operator_tool_count(inputs), budget.tools_max_count, unit="tools")
     if len(inputs.memory_snapshot) > budget.memory_snapshot_max_items:
         raise PrefixOverflowError(
             "memory_snapshot", len(inputs.memory_snapshot), budget.memory_snapshot_max_items, unit="items"

@@ -11,10 +11,9 @@ import yaml
 from pydantic import ValidationError
 
 from activities.tokens import TiktokenCounter
-from core.build import PrefixInputs, open_prefix
+from core.build import open_prefix, operator_tool, operator_tool_count, region_a_inputs
 from core.estimator import DEFAULT_PROFILES, TokenEstimator
-from core.items import BudgetClass, ToolDefinition
-from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
+from core.items import BudgetClass
 from ctxengine.contract import ModelRoute, SessionOpen
 
 _VALIDATE_SECRET = b"ctxengine-validate"  # nonces have a fixed length, so any secret measures the same
@@ -54,21 +53,12 @@ def validate_config(open_: SessionOpen, route: ModelRoute, counter_for: Any) -> 
     profile = route.profile()
     budget = open_.context_budget()
     estimator = TokenEstimator(profile, counter_for(profile.encoding))
-    tools = [
-        ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
-        for t in open_.tools
-    ]
-    tools.append(
-        ToolDefinition(
-            id=f"tool.{CONTROL_TOOL_NAME}",
-            name=CONTROL_TOOL_NAME,
-            description=CONTROL_TOOL_DESCRIPTION,
-            input_schema=control_tool_schema(),
-        )
+    inputs = region_a_inputs(  # the same Region A a session open assembles
+        platform_policy=open_.platform_policy,
+        agent_instructions=open_.agent_instructions,
+        tools=[operator_tool(t.name, t.description, t.input_schema) for t in open_.tools],
     )
-    inputs = PrefixInputs(
-        platform_policy=open_.platform_policy, agent_instructions=open_.agent_instructions, tools=tools
-    )
+    tool_count = operator_tool_count(inputs)  # the platform's control tool takes none of the operator's places
     # Measure every class even when one overflows: open with unlimited caps, then compare with the real ones.
     loose = budget.model_copy(
         update={
@@ -85,8 +75,8 @@ def validate_config(open_: SessionOpen, route: ModelRoute, counter_for: Any) -> 
         tokens = prefix.class_tokens[cls.value]
         row: dict[str, Any] = {"tokens": tokens, "cap": cap, "headroom": cap - tokens}
         if cls is BudgetClass.TOOLS:
-            row.update({"count": len(tools), "count_cap": budget.tools_max_count})
-            if len(tools) > budget.tools_max_count:
+            row.update({"count": tool_count, "count_cap": budget.tools_max_count})
+            if tool_count > budget.tools_max_count:
                 offending.append(cls.value)
         if cls is BudgetClass.MEMORY_SNAPSHOT:
             row["note"] = "filled at session open from the memory scope, up to its cap"

@@ -459,9 +459,7 @@ class ProtocolServers:
     openai: FakeServer
     anthropic: FakeServer
 
-    def providers(
-        self, openai_cls: type[Any] | None = None, anthropic_cls: type[Any] | None = None
-    ) -> dict[str, Any]:
+    def providers(self, openai_cls: type[Any] | None = None, anthropic_cls: type[Any] | None = None) -> dict[str, Any]:
         """`openai` and `anthropic` adapters (or the harness's subclasses of them) pointed at these servers."""
         from activities.anthropic_provider import AnthropicProvider
         from activities.openai_provider import OpenAIProvider

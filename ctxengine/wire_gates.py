@@ -231,4 +231,3 @@ def server_input_tokens(received: Received) -> int:
         + usage.get("cache_read_input_tokens", 0)
         + usage.get("cache_creation_input_tokens", 0)
     )
-

@@ -41,8 +41,21 @@ class TestValidate:
         assert res.exit_code == 0, res.output
         report = json.loads(res.stdout)
         classes = report["configs"][0]["routes"][0]["classes"]
-        assert classes["tools"]["count"] == 4 and classes["tools"]["count_cap"] == 30
+        assert classes["tools"]["count"] == 3 and classes["tools"]["count_cap"] == 30  # the control tool is not counted
         assert classes["agent_instructions"]["cap"] == 4_000 and classes["agent_instructions"]["headroom"] > 0
+
+    def test_thirty_operator_tools_fit_and_thirty_one_do_not(self, tmp_path: Path) -> None:
+        """30 operator tools fit (the platform's control tool takes none of the 30 places, as at session open);
+        31 exit 1 naming the count."""
+        tools = [{"name": f"tool_{i:02d}", "description": f"Tool number {i}."} for i in range(31)]
+        fits, over = tmp_path / "thirty.json", tmp_path / "thirty-one.json"
+        fits.write_text(json.dumps({"agent_instructions": "Be brief.", "tools": tools[:30]}))
+        over.write_text(json.dumps({"agent_instructions": "Be brief.", "tools": tools}))
+        res = runner.invoke(app, ["validate", str(fits), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["configs"][0]["routes"][0]["classes"]["tools"]["count"] == 30
+        res = runner.invoke(app, ["validate", str(over)])
+        assert res.exit_code == 1 and "31 tools, cap 30" in res.stderr
 
     def test_oversized_instructions_exit_1_naming_class(self, tmp_path: Path) -> None:
         """4,500 tokens of agent instructions exit 1 naming agent_instructions, 4,500 and 4,000."""
