@@ -51,7 +51,7 @@ from ctxengine.contract import (
 )
 from ctxengine.events import EventType
 from ctxengine.protocol_servers import ProtocolServers, protocol_servers
-from ctxengine.wire_gates import check_wire_stability
+from ctxengine.wire_gates import check_wire_stability, rerender_prefixes
 
 GateFn = Callable[["Stack"], Awaitable[dict[str, Any]]]
 FAST = ActivityTimeouts(build_seconds=10, model_seconds=30, model_heartbeat_seconds=10, tool_seconds=10)
@@ -602,12 +602,20 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
     counters: dict[str, TiktokenCounter] = {}
     rebuilt = await rebuild_session(s.store, handle.id, lambda e: counters.setdefault(e, TiktokenCounter(e)))
     same = sum(r.reproduced for r in rebuilt)
+    # The rebuild above reuses the stored prefix; this re-renders Region A itself from its stored inputs.
+    rerendered = await rerender_prefixes(s.store, handle.id, lambda e: counters.setdefault(e, TiktokenCounter(e)))
     return {
-        "passed": failures == 0 and replayed >= 2 and same == len(rebuilt) > 0,
+        "passed": failures == 0
+        and replayed >= 2
+        and same == len(rebuilt) > 0
+        and rerendered["prefix_bytes_identical"] == rerendered["prefixes_rerendered"] > 0,
         "histories_replayed": replayed,
         "replay_failures": failures,
         "requests_rebuilt": len(rebuilt),
         "bytes_identical": same,
+        "prefixes_rerendered": rerendered["prefixes_rerendered"],
+        "prefix_bytes_identical": rerendered["prefix_bytes_identical"],
+        "faults": rerendered["faults"],
     }
 
 

@@ -9,11 +9,16 @@ can assert that the gate failed for the reason it injected.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from activities.openai_provider import HISTORY_KINDS
+from activities.store import Store
 from activities.wire import wire_prefix
+from core.budget import ContextBudget
+from core.build import FrozenPrefix, PrefixInputs, open_prefix
+from core.estimator import ModelProfile, TokenCounter, TokenEstimator
+from core.explain import PrefixDifference, first_difference
 from ctxengine.protocol_servers import Element, Received, prompt_elements
 
 _HISTORY_SOURCES = frozenset(HISTORY_KINDS)
@@ -190,23 +195,26 @@ def _anthropic_orphans(body: Mapping[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ budget
-def check_wire_budget(received: Sequence[Received], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def check_wire_budget(
+    received: Sequence[Received], records: Sequence[Mapping[str, Any]], *, assume_reconciled: bool = False
+) -> dict[str, Any]:
     """Estimates against the protocol server's own count of what it received (not the engine's figures).
 
     The server's count is the input usage it answered each turn request with, read from its recording. A
     request is
     over its window when the server counted more than the plan's input limit; once a route has reconciled
-    (its profile's calibration moved off 1.0), an estimate below the server's count is an underestimate.
+    (its profile's calibration moved off 1.0; or `assume_reconciled`, when the server's tokenizer and ratio are
+    the estimator's own), an estimate below the server's count is an underestimate.
     """
     turns = [r for r in received if not r.is_summary]
     server_usage = [server_input_tokens(r) for r in turns]
     over = under = 0
     faults: list[str] = []
-    for index, (record, counted) in enumerate(zip(records, server_usage, strict=False)):
+    for record, counted in zip(records, server_usage, strict=False):
         limit = record["plan"]["input_limit"]
         if counted > limit:
             over += 1
-        reconciled = index > 0 and record["inputs"]["profile"].get("calibration", 1.0) != 1.0
+        reconciled = assume_reconciled or record["inputs"]["profile"].get("calibration", 1.0) != 1.0
         if reconciled and record["estimated_tokens"] < counted:
             under += 1
     if over:
@@ -231,3 +239,58 @@ def server_input_tokens(received: Received) -> int:
         + usage.get("cache_read_input_tokens", 0)
         + usage.get("cache_creation_input_tokens", 0)
     )
+
+
+# ------------------------------------------------------------------------------------------- determinism
+Render = Callable[..., FrozenPrefix]
+
+
+def compare_rerender(
+    row: Mapping[str, Any],
+    *,
+    secret: bytes,
+    budget: ContextBudget,
+    counter_for: Callable[[str], TokenCounter],
+    render: Render = open_prefix,
+) -> PrefixDifference | None:
+    """Re-render an epoch's Region A from its stored `PrefixInputs` and profile (a stored prefix row), and
+    compare the bytes with the stored prefix: None when identical, else where they first differ."""
+    profile = ModelProfile.model_validate(row["profile"])
+    estimator = TokenEstimator(profile, counter_for(profile.encoding))
+    fresh = render(PrefixInputs.model_validate(row["inputs"]), budget=budget, estimator=estimator, secret=secret)
+    stored = FrozenPrefix.model_validate(row["prefix"])
+    if fresh.text.encode("utf-8", "surrogatepass") == stored.text.encode("utf-8", "surrogatepass") and (
+        fresh.sha256 == stored.sha256
+    ):
+        return None
+    return first_difference(stored.segments, fresh.segments) or PrefixDifference(
+        segment_index=-1, item_id="", budget_class="", byte_offset=0, offset_in_segment=0, expected="", actual=""
+    )
+
+
+async def rerender_prefixes(
+    store: Store, session_id: str, counter_for: Callable[[str], TokenCounter], render: Render = open_prefix
+) -> dict[str, Any]:
+    """Every epoch of a session with requests: its prefix re-rendered from the stored inputs, bytes compared."""
+    from ctxengine.contract import SessionOpen
+
+    session = await store.get_session(session_id)
+    assert session is not None
+    budget = SessionOpen.model_validate(session["open"]).context_budget()
+    epochs = sorted({int(r["epoch"]) for r in await store.records(session_id)})
+    faults: list[str] = []
+    identical = 0
+    for epoch in epochs:
+        row = await store.get_prefix(session_id, epoch)
+        assert row is not None
+        diff = compare_rerender(
+            row, secret=bytes(session["secret"]), budget=budget, counter_for=counter_for, render=render
+        )
+        if diff is None:
+            identical += 1
+        else:
+            faults.append(
+                f"prefix_rerender_differs: epoch {epoch}, {diff.item_id or 'prefix'} at byte {diff.byte_offset}: "
+                f"stored {diff.expected!r}, re-rendered {diff.actual!r}"
+            )
+    return {"prefixes_rerendered": len(epochs), "prefix_bytes_identical": identical, "faults": faults}
