@@ -7,7 +7,10 @@ that one breakpoint caches the whole of Region A. A second breakpoint sits on th
 append-only history (the end of the stable body), so a turn reads the previous turn's history from the
 cache too; the volatile tail (recall, working state, the clock, the current message) is after it. A third
 sits just before the first full tool result, the point up to which a tool-result yield cannot change the
-body (see `cache_breakpoints`). Three breakpoints of the four Anthropic allows.
+body (see `cache_breakpoints`). The fourth sits where the previous request of the session ended its history
+(`previous_history_end`): a cache read happens at a breakpoint whose prefix an earlier request marked, so
+with it each request reads the previous request's whole history at an offset that request wrote, whatever
+the number of blocks added since (the documented 20-block lookback is not needed).
 
 Region B becomes alternating messages: consecutive same-role segments are merged into one message with one
 block each (tool calls as `tool_use`, results as `tool_result` with the same id, everything else as
@@ -27,6 +30,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.openai_provider import (
+    HISTORY_KINDS,
     ToolNames,
     UnconfiguredProvider,
     connection_error,
@@ -128,7 +132,32 @@ def cache_breakpoints(body: Sequence[ProviderSegment]) -> set[int]:
     first_result = next((i for i, s in enumerate(body) if s.kind == "tool_result"), None)
     if first_result is not None and 0 < first_result <= end:
         marks.add(first_result - 1)
+    previous = previous_history_end(body, end)
+    if previous is not None:
+        marks.add(previous)
     return marks
+
+
+def previous_history_end(body: Sequence[ProviderSegment], end: int) -> int | None:
+    """Index of the block where the previous request of the session put its history breakpoint, so that this
+    request reads the previous one's history at an offset the previous one marked (the fourth breakpoint).
+
+    Since the previous request the history grew by the model's reply to it (its assistant blocks) and the
+    results of the tools it called; and, when the previous request was the first of its turn, by that turn's
+    user message, which it carried as the current message (after its history) and which is history now: the
+    user message right before the reply. Walking back from the end of the history over those gives the
+    previous request's last history block.
+    """
+    i = end
+    while i >= 0 and body[i].role == "tool":
+        i -= 1
+    if i < 0 or body[i].role != "assistant":
+        return None
+    while i >= 0 and body[i].role == "assistant":
+        i -= 1
+    if i >= 0 and body[i].kind == "user_message":
+        i -= 1  # the previous request carried it as the current message, after its history
+    return i if 0 <= i < end and body[i].kind in HISTORY_KINDS else None
 
 
 def count_breakpoints(kwargs: Mapping[str, Any]) -> int:
