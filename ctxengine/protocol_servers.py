@@ -311,6 +311,7 @@ def _anthropic_element(role: str, raw: bytes, block: Any, text: str) -> Element:
 
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
 _ENVELOPE_SOURCE = re.compile(r'source="([a-z_]+)')
+_MODEL_RATIO = re.compile(r"-r([0-9]+(?:\.[0-9]+)?)$")
 OPENAI_MIN_CACHED = 1_024
 OPENAI_CACHE_STEP = 128
 
@@ -326,9 +327,15 @@ class ScriptedWire:
         self._anthropic_marked: set[str] = set()
         self.replies = 0
 
-    def tokens(self, elements: list[Element]) -> int:
+    def tokens(self, elements: list[Element], ratio: float | None = None) -> int:
         """The server's own count: its tokenizer over the content received, 4 per element, times its ratio."""
-        return math.ceil(sum(self.counter.count(e.text) + 4 for e in elements) * self.ratio)
+        return math.ceil(sum(self.counter.count(e.text) + 4 for e in elements) * (ratio or self.ratio))
+
+    def ratio_for(self, received: Received) -> float:
+        """The server's ratio, or the one a model name asks for with a `-r<ratio>` suffix (`budget-r1.45`), so
+        one server can stand in for providers whose tokenizers count differently."""
+        match = _MODEL_RATIO.search(str(received.body.get("model", "")))
+        return float(match.group(1)) if match else self.ratio
 
     def answer(self, received: Received) -> Reply:
         elements = prompt_elements(received)
@@ -339,7 +346,7 @@ class ScriptedWire:
         else:
             calls = _directives(elements)
             text = "" if calls else _acknowledge(elements)
-        total = self.tokens(elements)
+        total = self.tokens(elements, self.ratio_for(received))
         if self.protocol == "openai":
             cached = 0 if received.is_summary else self._openai_cached(received, elements)
             tool_calls = [

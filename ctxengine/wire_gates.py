@@ -80,13 +80,14 @@ def check_wire_stability(received: Sequence[Received], records: Sequence[Mapping
         faults.append(f"wire_requests_unmatched: {len(turns)} bodies on the wire, {len(records)} request records")
     hashes: dict[int, set[str]] = {}
     breaks: list[dict[str, Any]] = []
-    claimed_mismatch = 0
+    claimed_mismatch = claimed_recorded = 0
     previous: tuple[list[Element], Mapping[str, Any]] | None = None
     for body, record in zip(turns, records, strict=False):
         epoch = int(record["epoch"])
         wire = wire_prefix(body.raw, body.protocol)
         hashes.setdefault(epoch, set()).add(wire.sha256)
         claimed = record.get("wire_prefix_sha256")
+        claimed_recorded += int(claimed is not None)
         claimed_mismatch += int(claimed is not None and claimed != wire.sha256)
         elements = prompt_elements(body)
         if previous is not None and previous[1]["epoch"] == epoch:
@@ -117,6 +118,8 @@ def check_wire_stability(received: Sequence[Received], records: Sequence[Mapping
         )
     if claimed_mismatch:
         faults.append(f"wire_hash_claim_mismatch: {claimed_mismatch} recorded hashes differ from the bytes sent")
+    if claimed_recorded < min(len(turns), len(records)):
+        faults.append(f"wire_hash_not_recorded: {claimed_recorded} of {len(records)} request records carry one")
     return {
         "wire_requests_checked": len(turns),
         "wire_prefix_hashes_per_epoch": per_epoch,
@@ -125,6 +128,7 @@ def check_wire_stability(received: Sequence[Received], records: Sequence[Mapping
             cause: sum(1 for b in breaks if b["cause"] == cause) for cause in sorted({str(b["cause"]) for b in breaks})
         },
         "history_breaks_unexplained": len(unexplained),
+        "wire_hash_claims_recorded": claimed_recorded,
         "wire_hash_claims_mismatched": claimed_mismatch,
         "faults": faults,
     }

@@ -142,6 +142,14 @@ class TestPairsObserver:
 
 
 class TestBudgetObserver:
+    def test_a_model_name_sets_the_servers_ratio(self) -> None:
+        """`-r1.45` at the end of the model name makes the server count 1.45 times more; else its own ratio."""
+        from ctxengine.protocol_servers import Received, ScriptedWire
+
+        wire = ScriptedWire("openai", ratio=1.0)
+        assert wire.ratio_for(Received("/v1/chat/completions", {}, b"{}", {"model": "budget-r1.45"})) == 1.45
+        assert wire.ratio_for(Received("/v1/chat/completions", {}, b"{}", {"model": "gpt-4o"})) == 1.0
+
     async def test_estimates_cover_the_servers_count(self, openai_wire: FakeServer, anthropic_wire: FakeServer) -> None:
         """The estimator's figures cover what each server counted with its own tokenizer (ratio 1.0)."""
         openai_s = await drive(openai_session(openai_wire))
