@@ -1,35 +1,39 @@
-"""`ctxengine bench cache`: what three ways of assembling context cost under the providers' prompt caches.
+"""`ctxengine bench cache`: what ways of assembling context cost under the providers' prompt caches.
 
-Two scripted sessions, generated deterministically from a seed, are replayed through three assemblers:
+Two scripted sessions, generated deterministically from a seed, are replayed through five assemblers:
 
 - **ctxengine**: `core.build` — `open_prefix` once per epoch, `build` per request with a `RenderCache`, and
   compaction through `core.compaction.plan_compaction` (with a deterministic extractive summary) whenever a
   plan says `needs_compaction` (and once, forced, in the fifty-turn gate script, as ADR-0020 asks);
-- **naive**: the current date and time (to the minute) in the system prompt, the memories loaded into it on
-  every request, the tool list filtered by the current grants, the full history concatenated and the
-  oldest turns dropped when over the window;
-- **summarize_all**: a stable system prompt and tool list, and a summary-buffer compactor (the pattern of
-  LangChain's ConversationSummaryBufferMemory) that, whenever a request is over budget, folds the oldest
-  turns, trusted or not, into one rewritten summary message at the head of the history.
+- **trim_last**, baseline (a): the same stable system prompt and tools, the append-only history and the
+  current message, and once over the window the oldest messages dropped until it fits
+  (`trim_messages(strategy="last")` on every request); **trim_last_marked** is the same requests with an
+  Anthropic breakpoint on the final block too;
+- **summarize_all**, baseline (b): a stable system prompt and tool list, and a summary-buffer compactor (the
+  pattern of LangChain's ConversationSummaryBufferMemory) that, whenever a request is over budget, folds the
+  oldest turns, trusted or not, into one rewritten summary message at the head of the history;
+- **naive**, the labelled worst case: the current date and time (to the minute) in the system prompt, the
+  memories loaded into it on every request, the tool list filtered by the current grants, the full history
+  concatenated and the oldest turns dropped when over the window.
 
-All three see the same conversation (the same scripted user messages, model replies and tool results) and
-render items with the same envelopes, so they differ only in assembly. Every request goes through the
-adapters' own pure renderers (`render_chat_request`, `render_messages_request`), and the rendered request
-is priced under each provider's published cache rules:
+All see the same conversation (the same scripted user messages, model replies and tool results) and render
+items with the same envelopes, so they differ only in assembly. Every request goes through the adapters'
+own pure renderers (`render_chat_request`, `render_messages_request`), and the rendered request is priced
+under three cache rules:
 
-- **OpenAI** (automatic prefix caching): the cached part of a request is its longest common prefix with
+- **openai** (automatic prefix caching): the cached part of a request is its longest common prefix with
   any earlier request of the session (entries do not expire within a session), 0 below 1,024 tokens, else
   rounded down to 1,024 + a multiple of 128; cached input costs 0.5x.
-- **Anthropic** (explicit breakpoints): a read hits only an entry written at an earlier request's
-  breakpoint, found at one of this request's breakpoints or up to 20 blocks before one; a prefix is written
-  (billed 1.25x) at each breakpoint that is new and at least 1,024 tokens (Sonnet-class); reads cost 0.1x.
-  ctxengine's adapter sets breakpoints at the end of Region A and at the end of the append-only history;
-  the naive and summarize-all assemblers at the end of their system prompt only.
+- **anthropic_strict** (explicit breakpoints): a read hits only at a breakpoint of this request whose prefix
+  an earlier request marked; a prefix is written (billed 1.25x) at each breakpoint that is new and at least
+  1,024 tokens (Sonnet-class); reads cost 0.1x. ctxengine's adapter sets its four breakpoints (see
+  docs/providers.md); the baselines mark the end of their system prompt (trim_last_marked the final block).
+- **anthropic_lookback**: the same, and a breakpoint also finds an entry up to 20 blocks before it.
 
 Requests are sequences of blocks (tools, the system text, then each message's role and content blocks)
 and tokens are counted per block with cl100k (the common prefix's last, partial block is counted to the
 character). Summarizer calls (ctxengine's compactions and summarize-all's folds) are priced at the full
-input rate and added to the cost. Output tokens are the same for all three and are left out.
+input rate and added to the cost. Output tokens are the same for all assemblers and are left out.
 See docs/providers.md for the method and the figures.
 """
 

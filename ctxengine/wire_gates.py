@@ -1,6 +1,6 @@
 """Observers the engine does not control: the gates' checks of what went on the wire and of what was stored.
 
-Development harness (docs/benchmarks.md, "Gates that can fail"). Every check here reads an artefact the
+Development harness (docs/events-and-metrics.md, "Hard gates"). Every check here reads an artefact the
 engine did not compute for the check: request bodies recorded by the protocol servers
 (ctxengine/protocol_servers.py), usage counted by those servers with their own tokenizer, or a prefix
 re-rendered from its stored inputs. Each returns figures and the faults it found, named, so a negative test
