@@ -298,3 +298,86 @@ async def rerender_prefixes(
                 f"stored {diff.expected!r}, re-rendered {diff.actual!r}"
             )
     return {"prefixes_rerendered": len(epochs), "prefix_bytes_identical": identical, "faults": faults}
+
+
+# ------------------------------------------------------------------------ sessions on the wire, for gates
+# What gate_budget and gate_pairs call to add the wire observers to their figures. Each needs a stack whose
+# `openai` and `anthropic` routes reach the protocol servers (`live_stack(wire=True)`, GATES option
+# `"wire": True`); a negative test swaps an adapter with `run_gate(..., wire_adapters={...})`.
+PAIRS_CALLS = (
+    '/call web.fetch {"url": "fixture://long"}',
+    '/call notes.save {"text": "n"}',
+    "/call nope.tool {}",
+    '/call web.fetch {"bad": 1}',
+)
+
+
+async def wire_pairs(s: Any, *, turns: int = 16, window: int = 8_000) -> dict[str, Any]:
+    """The pairs scenario (several calls per turn, an unknown tool, a schema error, a revocation, compaction)
+    once through each adapter; every recorded body checked for orphans (`check_wire_pairs`)."""
+    from ctxengine import names
+    from ctxengine.contract import RevokeTool, SessionOpen
+    from ctxengine.gates import _open
+
+    assert s.wire is not None, "wire_pairs needs live_stack(wire=True)"
+    figures: dict[str, Any] = {"wire_requests_checked": 0, "wire_requests_with_orphans": 0, "faults": []}
+    for provider, server in (("openai", s.wire.openai), ("anthropic", s.wire.anthropic)):
+        server.reset()
+        open_: SessionOpen = _open(
+            model_route={"provider": provider, "model": f"pairs-{provider}", "encoding": "cl100k_base"},
+            budget={"context_window": window, "output_reserve": 600},
+        )
+        handle = await s.start(open_, f"pairs-wire-{provider}")
+        for t in range(turns):
+            await s.turn(handle, f"turn {t}\n" + "\n".join(PAIRS_CALLS[: 1 + t % 4]))
+            if t == turns // 2:
+                await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"))
+        result = check_wire_pairs(list(server.requests))
+        figures["wire_requests_checked"] += result["wire_requests_checked"]
+        figures["wire_requests_with_orphans"] += result["wire_requests_with_orphans"]
+        figures["faults"] += result["faults"]
+    return figures
+
+
+async def wire_budget(
+    s: Any, *, ratios: Sequence[float] = (1.0, 1.2, 1.45), windows: Sequence[int] = (6_000, 12_000), turns: int = 14
+) -> dict[str, Any]:
+    """The budget scenario through the OpenAI adapter, the protocol server counting with its own tokenizer
+    times each ratio (asked for by the model name): no request over its window by the server's count, and
+    once the route has reconciled, no estimate below it (`check_wire_budget`)."""
+    import random
+    import uuid
+
+    from ctxengine.gates import _open
+
+    assert s.wire is not None, "wire_budget needs live_stack(wire=True)"
+    run = uuid.uuid4().hex[:6]
+    figures: dict[str, Any] = {
+        "wire_requests_checked": 0,
+        "requests_over_window_by_server_count": 0,
+        "underestimates_by_server_count": 0,
+        "faults": [],
+    }
+    server = s.wire.openai
+    for ratio in ratios:
+        for window in windows:
+            server.reset()
+            route = {"provider": "openai", "model": f"budget-{run}-w{window}-r{ratio}", "encoding": "cl100k_base"}
+            handle = await s.start(
+                _open(model_route=route, budget={"context_window": window, "output_reserve": 800}), "budget-wire"
+            )
+            rng = random.Random(f"{ratio}-{window}")
+            for t in range(turns):
+                text = f"turn {t}: " + " ".join(
+                    rng.choices(["alpha", "beta", "gamma", "delta"], k=rng.randint(20, 400))
+                )
+                if t % 3 == 1:
+                    text += '\n/call web.fetch {"url": "fixture://long"}'
+                await s.turn(handle, text)
+            records = [dict(r) for r in await s.store.records(handle.id)]
+            result = check_wire_budget(list(server.requests), records, assume_reconciled=ratio == 1.0)
+            for key in ("wire_requests_checked", "requests_over_window_by_server_count"):
+                figures[key] += result[key]
+            figures["underestimates_by_server_count"] += result["underestimates_by_server_count"]
+            figures["faults"] += [f"ratio {ratio}, window {window}: {f}" for f in result["faults"]]
+    return figures
