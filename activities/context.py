@@ -176,6 +176,12 @@ class SessionActivities:
         """Whether a reply to the request planned as `plan` is tainted: untrusted content was in its view."""
         return bool(plan.get("untrusted_in_view", False))
 
+    def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
+        """Whether a control-tool write is tainted: its call was, or untrusted content entered the turn's log
+        before it (a write in the same reply as the fetch counts)."""
+        in_turn = f"t{turn}."
+        return call_tainted or any(i.taints_view() for i in items if i.id.startswith(in_turn))
+
     def counter(self, encoding: str) -> TiktokenCounter:
         if encoding not in self._counters:
             self._counters[encoding] = TiktokenCounter(encoding)
@@ -652,9 +658,7 @@ class SessionActivities:
         if inp.call.name == CONTROL_TOOL_NAME:
             # Anything the model writes in a turn with untrusted content in view is tainted, even a write made
             # in the same reply as the fetch that brought the content in (docs/trust.md).
-            in_turn = f"t{inp.turn}."
-            turn_tainted = any(i.taints_view() for i in items if i.id.startswith(in_turn))
-            return await self._update_working_state(inp, tainted=tainted or turn_tainted)
+            return await self._update_working_state(inp, tainted=self.write_tainted(tainted, items, inp.turn))
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
             return (

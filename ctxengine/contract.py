@@ -55,9 +55,20 @@ class ModelRoute(_Input):
             update["context_window"] = self.context_window
         if self.min_cacheable_tokens is not None:
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
-        elif self.provider == "anthropic" and "haiku" in self.model:
-            update["min_cacheable_tokens"] = 2_048  # Anthropic's published minimum for Haiku-class models
+        elif self.provider == "anthropic":
+            update["min_cacheable_tokens"] = anthropic_min_cacheable(self.model)
         return base.model_copy(update=update)
+
+
+def anthropic_min_cacheable(model: str) -> int:
+    """Anthropic's published minimum cacheable prompt length for `model` (prompt-caching docs): 4,096 tokens
+    for Haiku 4.5 and Opus 4.5/4.6, 2,048 for Haiku 3 and 3.5, 1,024 for the other current models."""
+    name = model.lower()
+    if any(m in name for m in ("haiku-4-5", "haiku-4.5", "opus-4-5", "opus-4.5", "opus-4-6", "opus-4.6")):
+        return 4_096
+    if "haiku" in name:
+        return 2_048
+    return 1_024
 
 
 class ActivityTimeouts(_Input):
