@@ -10,10 +10,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
-.PHONY: install test demo bench lint
-install: $(STAMP)
+# The Node example's locked dependencies (its test runs `npm ci` itself when they are missing; skipped without node).
+TS_EXAMPLE := examples/orchestrator-ts
+$(TS_EXAMPLE)/node_modules/.package-lock.json: $(TS_EXAMPLE)/package-lock.json
+	-command -v npm >/dev/null && cd $(TS_EXAMPLE) && npm ci --no-audit --no-fund --silent
 
-test: $(STAMP)
+.PHONY: install test demo bench lint
+install: $(STAMP) $(TS_EXAMPLE)/node_modules/.package-lock.json
+
+test: install
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)
