@@ -3,7 +3,10 @@ forgetting and purge (issue 16; docs/contract.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from ctxengine.client import (
     map_failure,
 )
 from ctxengine.contract import ChildRunInput, ChildRunResult, GrantTool, RevokeTool
+from ctxengine.embedded import temporal_binary, temporal_namespace
 from tests.integration.session_helpers import session_open, stack
 
 pytestmark = pytest.mark.integration
@@ -237,3 +241,73 @@ async def test_purge_leaves_nothing(temporal_client: Client, pg_dsn: str, task_q
         assert result.rows_deleted["sessions"] == 1 and "retention" in result.temporal_history
         assert await _rows_mentioning(store, needles) == {}
         assert await _rows_mentioning(store, [keep.session_id]) == kept_before
+
+
+async def _temporal_cli(address: str, *args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        str(temporal_binary()),
+        *args,
+        "--address",
+        address,
+        "--namespace",
+        temporal_namespace(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode()
+
+
+async def test_stock_cli_runtime_write_grant_and_forget(
+    temporal_client: Client, temporal_address: str, pg_dsn: str, task_queue: str
+) -> None:
+    """The stock `temporal` CLI drives the new updates with plain JSON: a runtime write, revoke and re-grant
+    (one prefix hash), delete_memory; then `ctxengine purge` erases the closed session."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await store.write_memory(
+            "default", "pet", "The user's cat is Miso.", trust="USER", session_id=None, corrects=None
+        )
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open())
+
+        async def update(name: str, payload: dict[str, Any]) -> tuple[int, str]:
+            return await _temporal_cli(
+                temporal_address,
+                "workflow",
+                "update",
+                "execute",
+                "--workflow-id",
+                s.session_id,
+                "--name",
+                name,
+                "--input",
+                json.dumps(payload),
+            )
+
+        code, out = await update("update_working_state", {"operations": [{"op": "add_constraint", "text": "No fly."}]})
+        assert code == 0 and "No fly." in out, out
+        code, out = await update("update_working_state", {"operations": [{"op": "add_task"}]})
+        assert code != 0 and "text" in out and "add_task" in out, out
+        code, out = await update("revoke_tool", {"name": "web.fetch"})
+        assert code == 0, out
+        assert not (await s.submit_turn(FETCH)).tool_calls[0].allowed
+        code, out = await update("grant_tool", {"name": "web.fetch"})
+        assert code == 0, out
+        code, out = await update("grant_tool", {"name": "shell.exec"})
+        assert code != 0 and "epoch rotation" in out, out
+        granted = await s.submit_turn(FETCH)
+        assert granted.tool_calls[0].allowed
+        assert "No fly." in await region_b(store, granted.plan.request_sha256, "working_state")
+        assert len((await s.state()).prefix_hashes["1"]) == 1
+        code, out = await update("delete_memory", {"memory_id": "pet"})
+        assert code == 0 and "deleted:true" in out, out
+        await s.close()
+    env = {**os.environ, "CTXENGINE_DATABASE_URL": pg_dsn}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ctxengine.cli", "purge", "--session", s.session_id, "--json",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out_b, err_b = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err_b.decode()[-2000:]
+    report = json.loads(out_b.decode().strip().splitlines()[-1])
+    assert report["rows_deleted"]["sessions"] == 1 and "retention" in report["temporal_history"]
