@@ -10,8 +10,9 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import structlog
 from temporalio.client import Client
@@ -24,7 +25,7 @@ from temporalio.runtime import (
     TelemetryConfig,
     TelemetryFilter,
 )
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
 from activities.compaction import CompactionActivities
 from activities.context import SessionActivities
@@ -43,6 +44,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *_trace_ids(),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.JSONRenderer(),
@@ -51,6 +53,24 @@ def configure_logging(level: int = logging.INFO) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def _trace_ids() -> list[Any]:
+    """The structlog processor adding trace and span ids, when the `otel` extra is installed."""
+    try:
+        from activities.tracing import add_trace_ids
+    except ImportError:
+        return []
+    return [add_trace_ids]
+
+
+def tracing_interceptors() -> list[Any]:
+    """OpenTelemetry interceptors when an OTLP endpoint is configured and the `otel` extra installed."""
+    try:
+        from activities.tracing import interceptors_from_env
+    except ImportError:
+        return []
+    return list(interceptors_from_env())
 
 
 def install_runtime(metrics_address: str | None = None) -> Runtime:
@@ -99,6 +119,7 @@ async def running_worker(
     task_queue: str = names.TASK_QUEUE,
     max_cached_workflows: int = 1_000,
     fault_prefix_timestamp: bool | None = None,
+    interceptors: Sequence[Interceptor] = (),
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit."""
     if fault_prefix_timestamp is None:
@@ -115,6 +136,7 @@ async def running_worker(
         workflows=WORKFLOWS,
         activities=[*activities.all(), *CompactionActivities(activities).all()],
         max_cached_workflows=max_cached_workflows,
+        interceptors=list(interceptors),
     )
     async with worker:
         yield worker
@@ -147,7 +169,7 @@ async def main() -> None:
             schema_version=version,
             pid=os.getpid(),
         )
-        async with running_worker(client, store, task_queue=task_queue):
+        async with running_worker(client, store, task_queue=task_queue, interceptors=tracing_interceptors()):
             await asyncio.Event().wait()
 
 

@@ -385,13 +385,21 @@ async def connect(
     namespace: str | None = None,
     task_queue: str | None = None,
     database_url: str | None = None,
+    tracing: bool = False,
 ) -> AsyncIterator[CtxEngineClient]:
     """A client from arguments or the environment (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, CTXENGINE_TASK_QUEUE,
-    CTXENGINE_DATABASE_URL); the database is optional (inspect and purge need it)."""
+    CTXENGINE_DATABASE_URL); the database is optional (inspect and purge need it). With `tracing` (the `otel`
+    extra), each call starts a span under the caller's current one, and a turn's trace starts here."""
+    interceptors: list[Any] = []
+    if tracing:
+        from activities.tracing import CtxTracingInterceptor
+
+        interceptors.append(CtxTracingInterceptor())
     client = await Client.connect(
         address or os.environ.get("TEMPORAL_ADDRESS", "localhost:7233"),
         namespace=namespace or os.environ.get("TEMPORAL_NAMESPACE", "default"),
         data_converter=pydantic_data_converter,
+        interceptors=interceptors,
     )
     dsn = database_url or os.environ.get("CTXENGINE_DATABASE_URL")
     if dsn is None:
