@@ -311,3 +311,26 @@ async def test_stock_cli_runtime_write_grant_and_forget(
     assert proc.returncode == 0, err_b.decode()[-2000:]
     report = json.loads(out_b.decode().strip().splitlines()[-1])
     assert report["rows_deleted"]["sessions"] == 1 and "retention" in report["temporal_history"]
+
+
+async def test_list_sessions_by_search_attributes(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Sessions are listed by status, epoch and prefix hash (the search attributes the session upserts)."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        s = await ctx.start_session(session_open())
+        done = await s.submit_turn("hello")
+
+        async def listed(**filters: Any) -> list[str]:
+            for _ in range(100):  # visibility is eventually consistent
+                ids = [x.session_id for x in await ctx.list_sessions(**filters)]
+                if s.session_id in ids:
+                    return ids
+                await asyncio.sleep(0.1)
+            return []
+
+        assert s.session_id in await listed(epoch=1, prefix_sha256=done.prefix_sha256)
+        summary = next(x for x in await ctx.list_sessions(prefix_sha256=done.prefix_sha256))
+        assert summary.epoch == 1 and summary.prefix_sha256 == done.prefix_sha256 and summary.status == "running"
+        assert s.session_id not in [x.session_id for x in await ctx.list_sessions(epoch=2)]
+        await s.close()
+        assert s.session_id in await listed(status="completed")
