@@ -411,10 +411,11 @@ class SessionWorkflow:
             raise ValueError("close_session: the session failed to open")
 
     def _validate_open(self) -> None:
+        # Typed, so a caller tells "start a new session" from malformed input (docs/contract.md).
         if self.closing or self.state.status == "closed":
-            raise ValueError("the session is closed; start a new session")
+            raise ApplicationError("the session is closed; start a new session", type="SessionNotOpen")
         if self.state.status == "failed":
-            raise ValueError("the session failed to open")
+            raise ApplicationError("the session failed to open", type="SessionNotOpen")
 
     # ------------------------------------------------------------ helpers
     async def _open(

@@ -18,6 +18,7 @@ from ctxengine.client import (
     CtxEngineClient,
     SessionIdTaken,
     SessionNotClosed,
+    SessionNotOpen,
     ToolNotPinned,
     ValidationFailed,
     WorkingStateRejected,
@@ -334,3 +335,5 @@ async def test_list_sessions_by_search_attributes(temporal_client: Client, pg_ds
         assert s.session_id not in [x.session_id for x in await ctx.list_sessions(epoch=2)]
         await s.close()
         assert s.session_id in await listed(status="completed")
+        with pytest.raises(SessionNotOpen):
+            await s.submit_turn("anyone there?")
