@@ -21,6 +21,7 @@ from activities.tracing import ATTR_EPOCH, ATTR_SESSION, ATTR_TURN, CtxTracingIn
 from ctxengine.client import CtxEngineClient
 from ctxengine.embedded import temporal_namespace
 from tests.integration.session_helpers import session_open, stack
+from worker import configure_logging
 
 pytestmark = pytest.mark.integration
 
@@ -92,8 +93,11 @@ async def test_one_trace_per_turn(temporal_address: str, pg_dsn: str, task_queue
     assert dict(child.attributes or {})[ATTR_TURN] == compacted_turn
     assert "StartChildWorkflow:CompactionWorkflow" in compacting and "RunWorkflow:CompactionWorkflow" in compacting
     assert any(n.startswith("RunActivity:compaction.") for n in compacting), compacting
-    # Log lines join their trace.
+    # Log lines join their trace: the worker's structlog chain holds the processor, which reads the current span.
+    configure_logging()
+    assert add_trace_ids in structlog.get_config()["processors"]
     tracer = provider.get_tracer("ctxengine-test")
     with structlog.testing.capture_logs(processors=[add_trace_ids]) as logs, tracer.start_as_current_span("x") as sp:
-        structlog.get_logger("t").info("inside")
+        structlog.get_logger("t").warning("inside")
     assert logs[0]["trace_id"] == format(sp.get_span_context().trace_id, "032x")
+    assert logs[0]["span_id"] == format(sp.get_span_context().span_id, "016x")
