@@ -51,8 +51,9 @@ class _AnnotateActivity(temporalio.worker.ActivityInboundInterceptor):
     async def execute_activity(self, input: temporalio.worker.ExecuteActivityInput) -> Any:
         span = opentelemetry.trace.get_current_span()
         attrs = session_attributes(input.args[0]) if input.args else {}
-        if not attrs and activity.info().workflow_id:
-            attrs = {ATTR_SESSION: activity.info().workflow_id.split("/")[0]}
+        workflow_id = activity.info().workflow_id
+        if not attrs and workflow_id:  # children are named `{session_id}/...`
+            attrs = {ATTR_SESSION: workflow_id.split("/")[0]}
         span.set_attributes(attrs)
         return await super().execute_activity(input)
 
