@@ -71,7 +71,9 @@ from ctxengine.contract import (
     BuildInput,
     BuildResult,
     CloseInput,
+    DeleteMemoryInput,
     EventInput,
+    MemoryDeleted,
     MemoryInput,
     MemoryResult,
     ModelInput,
@@ -82,6 +84,8 @@ from ctxengine.contract import (
     ToolCallRequest,
     ToolInput,
     ToolResultSummary,
+    WorkingStateInput,
+    WorkingStateResult,
 )
 from ctxengine.events import EventType
 
@@ -792,6 +796,59 @@ class SessionActivities:
         snapshot_ids = {s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"}
         return MemoryResult(memory_id=memory_id, correction_of_snapshot=inp.write.corrects in snapshot_ids)
 
+    @activity.defn(name=names.ACTIVITY_DELETE_MEMORY)
+    async def delete_memory(self, inp: DeleteMemoryInput) -> MemoryDeleted:
+        """Delete a memory from the store (and so from recall and later snapshots); a snapshot holding it gets
+        a correction line that withdraws it until the session's next epoch."""
+        memory_id = inp.delete.memory_id
+        deleted = await self.store.delete_memory(inp.scope, memory_id, reason=inp.delete.reason)
+        _, _, cache = await self._session(inp.session_id)
+        prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
+        in_snapshot = any(s.kind == "memory_snapshot" and s.item_id == f"memory.{memory_id}" for s in prefix.segments)
+        log.info("memory.deleted", session_id=inp.session_id, turn=inp.turn, epoch=inp.epoch, memory_id=memory_id)
+        return MemoryDeleted(memory_id=memory_id, deleted=deleted, in_snapshot=in_snapshot)
+
+    @activity.defn(name=names.ACTIVITY_WORKING_STATE_WRITE)
+    async def write_working_state(self, inp: WorkingStateInput) -> WorkingStateResult:
+        """A runtime write (ADR-0020 decision 14): all operations or none, logged once per update id, seen from
+        the next request on. Over a cap or naming an unknown id, it fails (non-retryable) and changes nothing."""
+        key = f"runtime:{inp.update_id}"
+        if not await self.store.has_working_state_write(inp.session_id, key):
+            open_, secret, cache = await self._session(inp.session_id)
+            _, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+            estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
+            state = self._working_state(
+                await self.store.working_state_writes(inp.session_id), estimator.counter.count, inp.turn + 1
+            )
+
+            def attempt(update: WorkingStateUpdate) -> None:
+                apply(
+                    state,
+                    update,
+                    writer="runtime",
+                    count=lambda text: measure_working_state(text, estimator=estimator, secret=secret),
+                    token_cap=open_.context_budget(profile).working_state_tokens,
+                )
+
+            try:
+                attempt(inp.update)
+            except ContextError as exc:
+                message = f"update_working_state: {_failing_operation(inp.update, attempt)}: {exc}"
+                await self._event(
+                    inp.session_id,
+                    f"ws_rejected:{key}",
+                    EventType.WORKING_STATE_REJECTED,
+                    inp.turn,
+                    inp.epoch,
+                    {"error": message, "writer": "runtime"},
+                )
+                raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
+            write = WorkingStateWrite(turn=inp.turn, writer="runtime", update=inp.update)
+            await self.store.add_working_state_write(inp.session_id, key, inp.turn, write.model_dump(mode="json"))
+        writes = await self.store.working_state_writes(inp.session_id)
+        state = self._working_state(writes, self.counter("cl100k_base").count, inp.turn + 1)
+        return WorkingStateResult(turn=inp.turn, working_state=render(state))
+
     @activity.defn(name=names.ACTIVITY_CLOSE)
     async def close_session(self, inp: CloseInput) -> None:
         await self.store.close_session(inp.session_id, inp.reason)
@@ -811,6 +868,8 @@ class SessionActivities:
             self.write_memory,
             self.close_session,
             self.record_event,
+            self.write_working_state,
+            self.delete_memory,
         ]
 
 
@@ -842,6 +901,17 @@ def _model_result(
         estimated_tokens=estimated,
         overrun=estimated < actual if overrun is None else overrun,
     )
+
+
+def _failing_operation(update: WorkingStateUpdate, attempt: Any) -> str:
+    """Names the first operation whose application (with those before it) fails: `operations[2] (add_constraint)`."""
+    ops = update.operations
+    for i in range(len(ops)):
+        try:
+            attempt(WorkingStateUpdate(operations=ops[: i + 1]))
+        except ContextError:
+            return f"operations[{i}] ({ops[i].op})"
+    return "operations"
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:

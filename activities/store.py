@@ -103,7 +103,7 @@ ORDER BY created_at, memory_id LIMIT $2"""
 SQL_SEARCH = """
 SELECT memory_id, text, trust, ts_rank(tsv, q) AS rank
 FROM memories, websearch_to_tsquery('english', $2) AS q
-WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[]))
+WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[])) AND NOT starts_with(memory_id, 'withdrawn:')
 ORDER BY rank DESC, memory_id LIMIT $4"""
 SQL_CORRECTIONS = """
 SELECT memory_id, text, trust, corrects FROM memories
@@ -132,8 +132,31 @@ SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY covers_to_seq 
 SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
 
+SQL_DELETE_MEMORY = "DELETE FROM memories WHERE scope = $1 AND memory_id = $2 RETURNING 1"
+SQL_WITHDRAWN = "SELECT 1 FROM memories WHERE scope = $1 AND memory_id = $2"
+# Tables whose rows are a session's, by a `session_id` column: found in the catalogue, so a table added later
+# is purged too. `sessions` goes last (the others reference it).
+SQL_SESSION_TABLES = """
+SELECT table_name FROM information_schema.columns
+WHERE table_schema = current_schema() AND column_name = 'session_id' AND table_name <> 'sessions'
+ORDER BY table_name"""
+SQL_PURGE_REQUESTS = """
+DELETE FROM rendered_requests WHERE sha256 IN (SELECT request_sha256 FROM request_records WHERE session_id = $1)
+   OR prefix_sha256 IN (SELECT sha256 FROM prefixes WHERE session_id = $1)"""
+SQL_PURGE_MEMORIES = "DELETE FROM memories WHERE source_session = $1"
+SQL_PURGE_SESSION = "DELETE FROM sessions WHERE session_id = $1"
+WITHDRAWN_PREFIX = "withdrawn:"  # a tombstone memory: the correction line of a deleted memory still in a snapshot
+
 
 MAX_DELTA_CHAIN = 32  # a request stored as a delta is at most this many links from a whole one
+
+
+class SessionNotClosedError(RuntimeError):
+    """A purge of a session that is still open: close it first."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"session {session_id!r} is not closed; close it before purging it")
 
 
 class ForeignReferenceError(PermissionError):
@@ -143,6 +166,11 @@ class ForeignReferenceError(PermissionError):
         self.session_id = session_id
         self.reference = reference
         super().__init__(f"reference {reference!r} does not belong to session {session_id!r}; refused")
+
+
+def _rows(status: str) -> int:
+    """Rows affected, from asyncpg's command status (`DELETE 3`)."""
+    return int(status.rsplit(" ", 1)[-1])
 
 
 def sha256_text(text: str) -> str:
@@ -434,6 +462,40 @@ class Store:
 
     async def corrections(self, scope: str, memory_ids: Sequence[str]) -> list[asyncpg.Record]:
         return await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids))
+
+    async def delete_memory(self, scope: str, memory_id: str, *, reason: str) -> bool:
+        """Delete a memory; leave a tombstone that corrects it, so a frozen snapshot that still holds it shows a
+        correction line until its next epoch. True when it was deleted, now or by an earlier attempt.
+
+        The tombstone names no session (a later purge of the deleting session must not bring the memory back).
+        """
+        tombstone = f"{WITHDRAWN_PREFIX}{memory_id}"
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(SQL_DELETE_MEMORY, scope, memory_id):
+                text = f"withdrawn ({reason}); disregard this memory"
+                await conn.execute(SQL_WRITE_MEMORY, scope, tombstone, text, "USER", None, memory_id)
+                return True
+            return bool(await conn.fetchval(SQL_WITHDRAWN, scope, tombstone))
+
+    # ------------------------------------------------------------ erasure
+    async def purge_session(self, session_id: str, *, require_closed: bool = True) -> dict[str, int]:
+        """Erase a closed session from PostgreSQL: every row keyed by it, the requests rendered for it and the
+        memories it formed. Returns rows deleted per table. Raises LookupError, and SessionNotClosedError
+        unless the caller checked otherwise that it ended (a session that failed to open is never closed)."""
+        counts: dict[str, int] = {}
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow("SELECT closed_at FROM sessions WHERE session_id = $1 FOR UPDATE", session_id)
+            if row is None:
+                raise LookupError(f"no session {session_id!r} in this database")
+            if require_closed and row["closed_at"] is None:
+                raise SessionNotClosedError(session_id)
+            counts["rendered_requests"] = _rows(await conn.execute(SQL_PURGE_REQUESTS, session_id))
+            counts["memories"] = _rows(await conn.execute(SQL_PURGE_MEMORIES, session_id))
+            for table in [r["table_name"] for r in await conn.fetch(SQL_SESSION_TABLES)]:
+                deleted = await conn.execute(f'DELETE FROM "{table}" WHERE session_id = $1', session_id)
+                counts[table] = _rows(deleted)
+            counts["sessions"] = _rows(await conn.execute(SQL_PURGE_SESSION, session_id))
+        return counts
 
     # ------------------------------------------------------------ working state
     async def add_working_state_write(self, session_id: str, write_key: str, turn: int, write: dict[str, Any]) -> None:

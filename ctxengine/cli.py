@@ -302,5 +302,51 @@ def replay(
         raise typer.Exit(1)
 
 
+@app.command()
+def schema(
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the JSON Schemas into.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Write JSON Schema for the start input, every update's input and result, and the query (docs/contract.md)."""
+    from ctxengine.schema import write_schemas
+
+    written = write_schemas(out)
+    if as_json:
+        sys.stdout.write(json.dumps({"out": str(out), "files": [p.name for p in written]}) + "\n")
+    else:
+        typer.echo(f"wrote {len(written)} files to {out}")
+
+
+@app.command()
+def purge(
+    session: Annotated[str, typer.Option("--session", help="The closed session to erase.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Erase a closed session from PostgreSQL: log, artifacts, requests, checkpoints, events, formed memories.
+
+    Temporal keeps its workflow histories until the namespace's retention period expires."""
+    import asyncio
+
+    from activities.store import SessionNotClosedError
+    from ctxengine.client import HISTORY_NOTE
+    from ctxengine.services import services
+
+    async def go() -> dict[str, int]:
+        async with services(temporal=False) as svc:
+            return await svc.store.purge_session(session)
+
+    try:
+        rows = asyncio.run(go())
+    except (LookupError, SessionNotClosedError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    report = {"session_id": session, "rows_deleted": rows, "temporal_history": HISTORY_NOTE}
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        emit(rows, False, f"purged {session}")
+        typer.echo(HISTORY_NOTE)
+
+
 if __name__ == "__main__":
     app()

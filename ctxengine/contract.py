@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.budget import ContextBudget
 from core.estimator import DEFAULT_PROFILES, ModelProfile
 from core.plan import PlanSummary
+from core.working_state import WorkingStateUpdate
 
 MAX_TURN_TEXT = 100_000  # characters; larger input belongs in an artifact, not a turn
 DEFAULT_PLATFORM_POLICY = (
@@ -136,6 +137,37 @@ class CloseSession(_Input):
     reason: str = "closed by caller"
 
 
+class GrantTool(_Input):
+    """Update `grant_tool`: re-grant a revoked tool, or grant a pinned tool `SessionOpen.grants` left out.
+
+    The prefix is untouched (same prefix hash, no epoch). A tool that is not pinned needs an epoch rotation.
+    """
+
+    name: str
+    reason: str = "granted by operator"
+
+
+class DeleteMemory(_Input):
+    """Update `delete_memory`: the memory leaves the store and later recall. A session whose frozen snapshot
+    holds it keeps it until its next epoch, with a correction line saying it was withdrawn."""
+
+    memory_id: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,100}$")
+    reason: str = Field(default="withdrawn by the user", max_length=500)
+
+
+class MemoryDeleted(BaseModel):
+    memory_id: str
+    deleted: bool  # False: no such memory in the session's scope (already deleted, or never written)
+    in_snapshot: bool  # the session's frozen snapshot holds it: a correction line withdraws it until next epoch
+
+
+class WorkingStateResult(BaseModel):
+    """Result of update `update_working_state`: the working state the next request will show."""
+
+    turn: int  # the first turn whose requests see this write
+    working_state: str
+
+
 class ToolCallOutcome(BaseModel):
     name: str
     call_id: str
@@ -184,6 +216,7 @@ class SessionState(BaseModel):
     prefix_hashes: dict[str, list[str]] = Field(default_factory=dict)  # epoch -> distinct hashes seen
     pinned_tools: list[str] = Field(default_factory=list)
     revoked_tools: dict[str, str] = Field(default_factory=dict)
+    granted_tools: list[str] = Field(default_factory=list)  # pinned tools granted beyond SessionOpen.grants
     removed_tools: list[str] = Field(default_factory=list)  # taken out of the prefix by a forced revocation
     compaction_runs: int = 0  # every CompactionWorkflow started, whatever it decided: names the next one
     working_state: str = ""
@@ -294,6 +327,23 @@ class EventInput(BaseModel):
     turn: int
     epoch: int
     payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class WorkingStateInput(BaseModel):
+    session_id: str
+    update_id: str
+    turn: int  # the first turn that sees the write: the one after the last finished turn
+    epoch: int
+    update: WorkingStateUpdate
+
+
+class DeleteMemoryInput(BaseModel):
+    session_id: str
+    scope: str
+    delete: DeleteMemory
+    update_id: str
+    turn: int
+    epoch: int
 
 
 class CloseInput(BaseModel):
