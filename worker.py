@@ -28,7 +28,7 @@ from temporalio.worker import Worker
 
 from activities.compaction import CompactionActivities
 from activities.context import SessionActivities
-from activities.provider import build_providers
+from activities.provider import ModelProvider, build_providers
 from activities.store import Store
 from ctxengine import names
 from workflows.child_run import ChildRunWorkflow
@@ -99,13 +99,14 @@ async def running_worker(
     task_queue: str = names.TASK_QUEUE,
     max_cached_workflows: int = 1_000,
     fault_prefix_timestamp: bool | None = None,
+    providers: dict[str, ModelProvider] | None = None,
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit."""
     if fault_prefix_timestamp is None:
         fault_prefix_timestamp = os.environ.get("CTXENGINE_FAULT_PREFIX_TIMESTAMP") == "1"
     activities = SessionActivities(
         store,
-        build_providers(),
+        providers if providers is not None else build_providers(),
         search_attributes=await search_attributes_registered(client),
         fault_prefix_timestamp=fault_prefix_timestamp,
     )

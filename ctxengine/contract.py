@@ -54,6 +54,8 @@ class ModelRoute(_Input):
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
         elif self.provider == "anthropic" and "haiku" in self.model:
             update["min_cacheable_tokens"] = 2_048  # Anthropic's published minimum for Haiku-class models
+        if self.provider == "scripted":  # its published ratio: a new route never starts below it
+            update["calibration"] = max(base.calibration, self.scripted_usage_ratio)
         return base.model_copy(update=update)
 
 
