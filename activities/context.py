@@ -514,7 +514,7 @@ class SessionActivities:
         try:
             build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)
         except TurnTooLargeError as exc:
-            raise _turn_too_large(exc) from exc
+            raise _turn_too_large(exc, logged=False) from exc
 
     async def _plan(
         self,
@@ -558,7 +558,7 @@ class SessionActivities:
                 prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
             )
         except TurnTooLargeError as exc:
-            raise _turn_too_large(exc) from exc
+            raise _turn_too_large(exc, logged=True) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body
@@ -910,9 +910,10 @@ def _model_result(
     )
 
 
-def _turn_too_large(exc: TurnTooLargeError) -> ApplicationError:
-    """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details."""
-    return ApplicationError(str(exc), exc.details(), type="TurnTooLarge", non_retryable=True)
+def _turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:
+    """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details. `logged`:
+    whether the turn's message was already in the log (its tool calls' results did not fit as pointers)."""
+    return ApplicationError(str(exc), {**exc.details(), "logged": logged}, type="TurnTooLarge", non_retryable=True)
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:

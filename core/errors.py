@@ -84,7 +84,7 @@ class TurnTooLargeError(NonYieldableOverflowError):
             self,
             f"turn too large: its minimum body needs {self.minimum_body_tokens:,} tokens (largest class "
             f"{self.budget_class!r}; message {self.message_tokens:,}) beside a {prefix_tokens:,}-token prefix, over "
-            f"the {input_limit:,}-token input limit; nothing was logged and the session takes the next turn",
+            f"the {input_limit:,}-token input limit; the session takes the next turn",
         )
 
     def details(self) -> dict[str, object]:

@@ -87,7 +87,8 @@ class SessionOpen(_Input):
 
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
         """The budget for a route: its window, with this session's overrides on top."""
-        base = ContextBudget(context_window=(profile or self.model_route.profile()).context_window)
+        # Unvalidated here: a route's small window with the default output reserve is checked once merged.
+        base = ContextBudget.model_construct(context_window=(profile or self.model_route.profile()).context_window)
         return ContextBudget.model_validate({**base.model_dump(), **self.budget})
 
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
@@ -136,7 +136,7 @@ class SessionWorkflow:
         runner = TurnRunner(self.open, self.state, escalate=self._escalate)
         try:
             return await runner.run(turn, text=text, update_id=update_id)
-        except ActivityError as exc:
+        except (ActivityError, ChildWorkflowError) as exc:
             raise _typed(exc, "TurnTooLarge") from exc
 
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
@@ -368,10 +368,12 @@ class SessionWorkflow:
                 )
 
 
-def _typed(exc: ActivityError, type_: str) -> Exception:
-    """An activity's typed failure of this type, re-raised as the update's own ApplicationError (type and
-    details intact), so the caller sees it directly; any other failure is returned unchanged."""
-    cause = exc.cause
+def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
+    """An activity's (or a child run's activity's) typed failure of this type, re-raised as the update's own
+    ApplicationError (type and details intact), so the caller sees it directly; any other failure unchanged."""
+    cause: BaseException | None = exc.cause
+    while isinstance(cause, ActivityError | ChildWorkflowError):
+        cause = cause.cause
     if isinstance(cause, ApplicationError) and cause.type == type_:
         return ApplicationError(cause.message, *cause.details, type=type_, non_retryable=True)
     return exc
