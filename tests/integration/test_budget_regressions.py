@@ -31,7 +31,7 @@ async def test_tool_heavy_turns_at_6k_are_answered(temporal_client: Client, pg_d
             session_open(agent_instructions=GATE_INSTRUCTIONS, budget={"context_window": 6_000, "output_reserve": 600}),
         )
         active_yields = 0
-        for t, calls in enumerate([4, 8, 6]):
+        for t, calls in enumerate([4, 5, 6, 8]):
             result = await turn(handle, f"turn {t}: fetch these\n{fetches(calls)}")
             assert result.plan.estimated_tokens <= result.plan.input_limit
             active_yields += sum(y.step.value == "active_tool_results_to_pointers" for y in result.plan.yields)
@@ -52,7 +52,7 @@ async def test_rotation_to_a_costlier_route_leaves_the_session_usable(
             task_queue,
             session_open(agent_instructions=GATE_INSTRUCTIONS, budget={"context_window": 8_000, "output_reserve": 800}),
         )
-        for t in range(3):
+        for t in range(6):
             await turn(handle, f"turn {t}: " + "words " * 200 + "\n" + LONG)
         try:
             await handle.execute_update(
@@ -61,6 +61,6 @@ async def test_rotation_to_a_costlier_route_leaves_the_session_usable(
             )
         except WorkflowUpdateFailedError as exc:
             assert isinstance(exc.cause, ApplicationError) and exc.cause.type == "RotationRefused", exc
-        for t, calls in enumerate([6, 8, 0]):
+        for t, calls in enumerate([4, 6, 8, 0]):
             result = await turn(handle, f"turn {t}: after the rotation\n{fetches(calls)}")
             assert result.plan.estimated_tokens <= result.plan.input_limit
