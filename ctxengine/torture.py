@@ -17,6 +17,7 @@ session's seed and script, so `CTXENGINE_TORTURE_SEED=... ` (read by the test on
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,6 +220,7 @@ class _Run:
         self.counter = counter
         self.turn_no = 0
         self.stuck = False
+        self.scope_id = uuid.uuid4().hex[:8]  # a fresh memory scope per run: the snapshot never carries over
 
     def fail(self, why: str) -> None:
         self.f.failures.append(f"{why} [{self.script.describe()}]")
@@ -255,7 +257,11 @@ class _Run:
         from ctxengine.gates import _open
 
         handle = await self.s.start(
-            _open(model_route=route, budget={"output_reserve": sc.output_reserve}, memory_scope=f"t-{sc.seed}"),
+            _open(
+                model_route=route,
+                budget={"output_reserve": sc.output_reserve},
+                memory_scope=f"t-{sc.seed}-{self.scope_id}",
+            ),
             "torture",
         )
         self.f.sessions += 1
@@ -263,13 +269,19 @@ class _Run:
         self.f.max_window_tested = max(self.f.max_window_tested, sc.window)
         rotations = 0
         for op in sc.ops:
-            if op.kind == "memory":
+            if op.kind in ("memory", "revoke"):
                 text = " ".join(WORDS[(op.seed + i) % len(WORDS)] for i in range(op.size))
-                await handle.execute_update(names.UPDATE_WRITE_MEMORY, WriteMemory(text=f"remember: {text}"))
-                continue
-            if op.kind == "revoke":
-                name = ("web.fetch", "notes.save")[op.seed]
-                await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name=name, reason="torture"))
+                update = (
+                    (names.UPDATE_WRITE_MEMORY, WriteMemory(text=f"remember: {text}"))
+                    if op.kind == "memory"
+                    else (names.UPDATE_REVOKE_TOOL, RevokeTool(name=("web.fetch", "notes.save")[op.seed % 2]))
+                )
+                try:
+                    await handle.execute_update(*update)
+                except WorkflowUpdateFailedError as exc:
+                    self.stuck = True
+                    self.fail(f"{op.kind} failed: {exc.cause}")
+                    break
                 continue
             if op.kind == "rotate":
                 rotations += 1
