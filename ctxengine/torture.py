@@ -220,6 +220,8 @@ class _Run:
         self.counter = counter
         self.turn_no = 0
         self.stuck = False
+        self.epoch = 1  # the session's epoch and route, to check that a refused rotation changes neither
+        self.route_model = f"torture-{script.seed}"
         self.scope_id = uuid.uuid4().hex[:8]  # a fresh memory scope per run: the snapshot never carries over
 
     def fail(self, why: str) -> None:
@@ -293,6 +295,8 @@ class _Run:
                         names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="model_route_changed", model_route=new_route)
                     )
                     self.f.rotations += 1
+                    self.epoch += 1
+                    self.route_model = new_route.model
                     self.f.min_window_tested = min(self.f.min_window_tested, op.size)
                 except WorkflowUpdateFailedError as exc:
                     if not (isinstance(exc.cause, ApplicationError) and exc.cause.type == "RotationRefused"):
@@ -300,6 +304,11 @@ class _Run:
                         self.fail(f"rotation failed untyped: {exc.cause}")
                         break
                     self.f.rotations_refused += 1
+                    state = await self.s.state(handle)
+                    if state.epoch != self.epoch or state.model_route.model != self.route_model:
+                        self.stuck = True
+                        self.fail(f"a refused rotation changed the session: epoch {state.epoch}")
+                        break
                 if not await self.turn(handle, f"turn {self.turn_no + 1}: after rotation", must_succeed=True):
                     break
                 continue
