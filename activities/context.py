@@ -27,6 +27,7 @@ from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS, Executor
+from core.budget import ContextBudget
 from core.build import (
     BodyInputs,
     FrozenPrefix,
@@ -38,7 +39,13 @@ from core.build import (
     open_prefix,
 )
 from core.compaction import Checkpoint
-from core.errors import ContextError, PrefixOverflowError, ToolTrustCeilingError
+from core.errors import (
+    ContextError,
+    PrefixOverflowError,
+    RouteDoesNotFitError,
+    ToolTrustCeilingError,
+    TurnTooLargeError,
+)
 from core.estimator import ModelProfile, TokenEstimator, reconcile
 from core.explain import first_difference
 from core.items import (
@@ -49,6 +56,7 @@ from core.items import (
     ToolDefinition,
     ToolResult,
     TrustLevel,
+    UserMessage,
     parse_history_item,
 )
 from core.plan import ContextPlan, Segment
@@ -94,6 +102,8 @@ T = TypeVar("T")
 # Untrusted results longer than this (characters) also go to an artifact, so a pointer can always resolve to
 # the original bytes. 0: every untrusted result does.
 ARTIFACT_THRESHOLD = 0
+# A rotation to another route must leave room for a message of this many tokens beside the minimum body.
+ROUTE_CHECK_MESSAGE_TOKENS = 256
 
 
 class _SessionCache:
@@ -230,7 +240,12 @@ class SessionActivities:
 
     async def _profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
-        return base.model_copy(update={"calibration": learned}) if learned else base
+        if learned:
+            return base.model_copy(update={"calibration": learned})
+        # A route not seen yet starts conservatively: its published ratio or the highest any route of its
+        # provider holds, whichever is higher; never optimistically (it learns downwards from usage).
+        highest = await self.store.provider_calibration(base.provider)
+        return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
 
     async def _event(
         self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
@@ -317,6 +332,8 @@ class SessionActivities:
             ) from exc
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
+        if inp.epoch > 1:
+            await self._check_route_fits(inp, prefix, estimator, budget, secret)
         await self.store.put_prefix(
             inp.session_id,
             inp.epoch,
@@ -355,6 +372,7 @@ class SessionActivities:
         user_item_id = inp.user_item_id
         if inp.user_text is not None:
             user_item_id = f"u:{inp.update_id or inp.turn}"
+            await self._check_turn_fits(inp, open_, secret, cache, user_item_id)
             await self.store.append_items(
                 inp.session_id,
                 inp.turn,
@@ -447,6 +465,76 @@ class SessionActivities:
         stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
         return open_prefix(stamped, budget=open_.context_budget(estimator.profile), estimator=estimator, secret=secret)
 
+    async def _check_route_fits(
+        self, inp: OpenInput, prefix: FrozenPrefix, estimator: TokenEstimator, budget: ContextBudget, secret: bytes
+    ) -> None:
+        """A rotation to another model route: the minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the
+        working state, corrections, the clock) must fit under the new route's estimate, or it is refused."""
+        previous = await self.store.get_prefix(inp.session_id, inp.epoch - 1)
+        if previous is None or ModelProfile.model_validate(previous["profile"]).route == estimator.profile.route:
+            return
+        writes = await self.store.working_state_writes(inp.session_id)
+        ws = self._working_state(writes, estimator.counter.count, 10**9)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        corrections = await self.store.corrections(inp.open.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=0,
+            call_index=0,
+            max_seq=0,
+            user_item_id="u:route-check",
+            checkpoint_id=None,
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in corrections
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso="2000-01-01T00:00:00+00:00",
+            profile=estimator.profile,
+            budget=budget,
+        )
+        message = UserMessage(id="u:route-check", seq=0, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+        try:
+            build(prefix, body_inputs([message], None, ri), budget=budget, estimator=estimator, secret=secret)
+        except TurnTooLargeError as exc:
+            refused = RouteDoesNotFitError(
+                estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
+            )
+            raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
+
+    async def _check_turn_fits(
+        self, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: _SessionCache, user_item_id: str
+    ) -> None:
+        """Before the user message is logged: its minimum body (message, working state, corrections, clock)
+        must fit beside the prefix, or the turn fails alone with TurnTooLarge and nothing is appended."""
+        assert inp.user_text is not None
+        prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+        estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
+        writes = await self.store.working_state_writes(inp.session_id)
+        ws = self._working_state(writes, estimator.counter.count, inp.turn + 1)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        correction_rows = await self.store.corrections(open_.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=inp.turn,
+            call_index=0,
+            max_seq=0,
+            user_item_id=user_item_id,
+            checkpoint_id=None,
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in correction_rows
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso=inp.now_iso,
+            profile=estimator.profile,
+            budget=open_.context_budget(estimator.profile),
+        )
+        message = UserMessage(id=user_item_id, seq=0, text=inp.user_text, trust=TrustLevel.USER)
+        body = body_inputs([message], None, ri)
+        try:
+            build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)
+        except TurnTooLargeError as exc:
+            raise _turn_too_large(exc, logged=False) from exc
+
     async def _plan(
         self,
         inp: BuildInput,
@@ -489,6 +577,8 @@ class SessionActivities:
             plan = build(
                 prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
             )
+        except TurnTooLargeError as exc:
+            raise _turn_too_large(exc, logged=True) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body
@@ -912,6 +1002,12 @@ def _failing_operation(update: WorkingStateUpdate, attempt: Any) -> str:
         except ContextError:
             return f"operations[{i}] ({ops[i].op})"
     return "operations"
+
+
+def _turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:
+    """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details. `logged`:
+    whether the turn's message was already in the log (its tool calls' results did not fit as pointers)."""
+    return ApplicationError(str(exc), {**exc.details(), "logged": logged}, type="TurnTooLarge", non_retryable=True)
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:

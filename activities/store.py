@@ -121,6 +121,7 @@ ON CONFLICT (route) DO UPDATE SET calibration = CASE
     WHEN $2 > calibrations.calibration THEN $2
     ELSE calibrations.calibration + 0.1 * ($2 - calibrations.calibration) END,
     updated_at = now()"""
+SQL_PROVIDER_CALIBRATION = "SELECT max(calibration) FROM calibrations WHERE route LIKE $1"
 SQL_SET_CALIBRATION = """
 INSERT INTO calibrations (route, calibration) VALUES ($1, $2)
 ON CONFLICT (route) DO UPDATE SET calibration = EXCLUDED.calibration, updated_at = now()"""
@@ -128,7 +129,9 @@ SQL_PUT_CHECKPOINT = """
 INSERT INTO checkpoints (session_id, checkpoint_id, parent_id, depth, covers_from_seq, covers_to_seq, checkpoint)
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
 SQL_LATEST_CHECKPOINT = """
-SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY covers_to_seq DESC, depth DESC LIMIT 1"""
+SELECT checkpoint FROM checkpoints WHERE session_id = $1
+ORDER BY covers_to_seq DESC, (checkpoint->>'kind' = 'escalation') DESC, depth DESC LIMIT 1"""
+# An escalation over a summary with nothing new to cover ties on covers_to_seq: the escalation is the later one.
 SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
 
@@ -515,6 +518,11 @@ class Store:
     async def learn_calibration(self, route: str, *, observed: float, first: float) -> None:
         """Adopt a higher observed ratio at once, relax towards a lower one (core.estimator.reconcile's rule)."""
         await self.pool.execute(SQL_LEARN_CALIBRATION, route, observed, first)
+
+    async def provider_calibration(self, provider: str) -> float | None:
+        """The highest calibration any route of `provider` holds: where a new route of it starts (never lower)."""
+        value = await self.pool.fetchval(SQL_PROVIDER_CALIBRATION, provider + "/%")
+        return float(value) if value is not None else None
 
     async def set_calibration(self, route: str, calibration: float) -> None:
         await self.pool.execute(SQL_SET_CALIBRATION, route, calibration)

@@ -181,12 +181,21 @@ def gate(
 def validate(
     configs: Annotated[list[Path], typer.Argument(help="SessionOpen files (JSON or YAML).")],
     model: Annotated[list[str], typer.Option("--model", help="Route provider/model; repeat for several.")] = [],  # noqa: B006 - typer reads the default
+    message_tokens: Annotated[
+        int, typer.Option("--message-tokens", min=1, help="Message size the floor is computed for.")
+    ] = 500,
+    tool_results: Annotated[
+        int, typer.Option("--tool-results", min=0, help="Tool results in one model call, for the floor.")
+    ] = 4,
     as_json: JsonFlag = False,
 ) -> None:
-    """Check agent configurations against every route before deployment: exit 0 fits, 1 over a cap, 2 invalid."""
+    """Check agent configurations against every route before deployment: exit 0 fits, 1 over a cap, 2 invalid.
+
+    Also prints each route's floor: the smallest context window that takes a turn of that message size and
+    that many tool results."""
     from ctxengine.operator_tools import offending_lines, validate_files
 
-    code, report = validate_files(configs, model)
+    code, report = validate_files(configs, model, message_tokens=message_tokens, tool_results=tool_results)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
     elif code == 2:
@@ -204,6 +213,12 @@ def validate(
                 console.print(table)
                 for w in r["warnings"]:
                     console.print(f"[yellow]warning:[/yellow] {w}")
+                if r.get("min_context_window"):
+                    f = r["floor_for"]
+                    console.print(
+                        f"floor: a {f['message_tokens']:,}-token message with {f['tool_results']} tool results "
+                        f"needs a context window of at least {r['min_context_window']:,} tokens"
+                    )
         for line in offending_lines(report):
             typer.echo(f"over cap: {line}", err=True)
     raise typer.Exit(code)

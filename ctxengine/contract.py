@@ -58,6 +58,8 @@ class ModelRoute(_Input):
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
         elif self.provider == "anthropic":
             update["min_cacheable_tokens"] = anthropic_min_cacheable(self.model)
+        if self.provider == "scripted":  # its published ratio: a new route never starts below it
+            update["calibration"] = max(base.calibration, self.scripted_usage_ratio)
         return base.model_copy(update=update)
 
 
@@ -100,7 +102,8 @@ class SessionOpen(_Input):
 
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
         """The budget for a route: its window, with this session's overrides on top."""
-        base = ContextBudget(context_window=(profile or self.model_route.profile()).context_window)
+        # Unvalidated here: a route's small window with the default output reserve is checked once merged.
+        base = ContextBudget.model_construct(context_window=(profile or self.model_route.profile()).context_window)
         return ContextBudget.model_validate({**base.model_dump(), **self.budget})
 
 

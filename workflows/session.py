@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
@@ -148,7 +148,10 @@ class SessionWorkflow:
 
     async def _turn(self, turn: int, text: str, update_id: str) -> TurnResult:
         runner = TurnRunner(self.open, self.state, escalate=self._escalate)
-        return await runner.run(turn, text=text, update_id=update_id)
+        try:
+            return await runner.run(turn, text=text, update_id=update_id)
+        except (ActivityError, ChildWorkflowError) as exc:
+            raise _typed(exc, "TurnTooLarge") from exc
 
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
@@ -305,7 +308,10 @@ class SessionWorkflow:
             new_open = self.open.model_copy(update={"model_route": req.model_route}) if req.model_route else self.open
             removed = sorted({*self.state.removed_tools, *req.revoke_tools})
             # Nothing changes unless the new prefix opens: a failed rotation leaves the session as it was.
-            opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            try:
+                opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            except ActivityError as exc:
+                raise _typed(exc, "RotationRefused") from exc
             self.open = new_open
             self.state.model_route = new_open.model_route
             self.state.removed_tools = removed
@@ -476,3 +482,14 @@ class SessionWorkflow:
                         SA_PREFIX.value_set(hashes[-1]),
                     ]
                 )
+
+
+def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
+    """An activity's (or a child run's activity's) typed failure of this type, re-raised as the update's own
+    ApplicationError (type and details intact), so the caller sees it directly; any other failure unchanged."""
+    cause: BaseException | None = exc.cause
+    while isinstance(cause, ActivityError | ChildWorkflowError):
+        cause = cause.cause
+    if isinstance(cause, ApplicationError) and cause.type == type_:
+        return ApplicationError(cause.message, *cause.details, type=type_, non_retryable=True)
+    return exc
