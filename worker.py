@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import structlog
 from temporalio.client import Client
@@ -44,6 +45,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *_trace_ids(),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.JSONRenderer(),
@@ -52,6 +54,24 @@ def configure_logging(level: int = logging.INFO) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def _trace_ids() -> list[Any]:
+    """The structlog processor adding trace and span ids, when the `otel` extra is installed."""
+    try:
+        from activities.tracing import add_trace_ids
+    except ImportError:
+        return []
+    return [add_trace_ids]
+
+
+def tracing_interceptors() -> list[Any]:
+    """OpenTelemetry interceptors when an OTLP endpoint is configured and the `otel` extra installed."""
+    try:
+        from activities.tracing import interceptors_from_env
+    except ImportError:
+        return []
+    return list(interceptors_from_env())
 
 
 def install_runtime(metrics_address: str | None = None) -> Runtime:
@@ -125,7 +145,7 @@ async def running_worker(
         workflows=WORKFLOWS,
         activities=[*activities.all(), *CompactionActivities(activities).all()],
         max_cached_workflows=max_cached_workflows,
-        interceptors=interceptors,
+        interceptors=list(interceptors),
     )
     async with worker:
         yield worker
@@ -158,7 +178,7 @@ async def main() -> None:
             schema_version=version,
             pid=os.getpid(),
         )
-        async with running_worker(client, store, task_queue=task_queue):
+        async with running_worker(client, store, task_queue=task_queue, interceptors=tracing_interceptors()):
             await asyncio.Event().wait()
 
 

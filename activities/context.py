@@ -28,6 +28,7 @@ from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS, Executor
 from activities.wire import WirePrefix
+from core.budget import ContextBudget
 from core.build import (
     BodyInputs,
     FrozenPrefix,
@@ -41,7 +42,13 @@ from core.build import (
     region_a_inputs,
 )
 from core.compaction import Checkpoint
-from core.errors import ContextError, PrefixOverflowError, ToolTrustCeilingError
+from core.errors import (
+    ContextError,
+    PrefixOverflowError,
+    RouteDoesNotFitError,
+    ToolTrustCeilingError,
+    TurnTooLargeError,
+)
 from core.estimator import ModelProfile, TokenEstimator, reconcile
 from core.explain import first_difference, first_wire_difference
 from core.items import (
@@ -51,6 +58,7 @@ from core.items import (
     ToolCall,
     ToolResult,
     TrustLevel,
+    UserMessage,
     parse_history_item,
 )
 from core.plan import ContextPlan, Segment
@@ -71,7 +79,9 @@ from ctxengine.contract import (
     BuildInput,
     BuildResult,
     CloseInput,
+    DeleteMemoryInput,
     EventInput,
+    MemoryDeleted,
     MemoryInput,
     MemoryResult,
     ModelInput,
@@ -82,6 +92,8 @@ from ctxengine.contract import (
     ToolCallRequest,
     ToolInput,
     ToolResultSummary,
+    WorkingStateInput,
+    WorkingStateResult,
 )
 from ctxengine.events import EventType
 
@@ -90,6 +102,8 @@ T = TypeVar("T")
 # Untrusted results longer than this (characters) also go to an artifact, so a pointer can always resolve to
 # the original bytes. 0: every untrusted result does.
 ARTIFACT_THRESHOLD = 0
+# A rotation to another route must leave room for a message of this many tokens beside the minimum body.
+ROUTE_CHECK_MESSAGE_TOKENS = 256
 
 
 class _SessionCache:
@@ -176,6 +190,12 @@ class SessionActivities:
         """Whether a reply to the request planned as `plan` is tainted: untrusted content was in its view."""
         return bool(plan.get("untrusted_in_view", False))
 
+    def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
+        """Whether a control-tool write is tainted: its call was, or untrusted content entered the turn's log
+        before it (a write in the same reply as the fetch counts)."""
+        in_turn = f"t{turn}."
+        return call_tainted or any(i.taints_view() for i in items if i.id.startswith(in_turn))
+
     def counter(self, encoding: str) -> TiktokenCounter:
         if encoding not in self._counters:
             self._counters[encoding] = TiktokenCounter(encoding)
@@ -220,7 +240,12 @@ class SessionActivities:
 
     async def _profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
-        return base.model_copy(update={"calibration": learned}) if learned else base
+        if learned:
+            return base.model_copy(update={"calibration": learned})
+        # A route not seen yet starts conservatively: its published ratio or the highest any route of its
+        # provider holds, whichever is higher; never optimistically (it learns downwards from usage).
+        highest = await self.store.provider_calibration(base.provider)
+        return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
 
     async def _event(
         self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
@@ -297,6 +322,8 @@ class SessionActivities:
             ) from exc
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
+        if inp.epoch > 1:
+            await self._check_route_fits(inp, prefix, estimator, budget, secret)
         await self.store.put_prefix(
             inp.session_id,
             inp.epoch,
@@ -335,6 +362,7 @@ class SessionActivities:
         user_item_id = inp.user_item_id
         if inp.user_text is not None:
             user_item_id = f"u:{inp.update_id or inp.turn}"
+            await self._check_turn_fits(inp, open_, secret, cache, user_item_id)
             await self.store.append_items(
                 inp.session_id,
                 inp.turn,
@@ -427,6 +455,76 @@ class SessionActivities:
         stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
         return open_prefix(stamped, budget=open_.context_budget(estimator.profile), estimator=estimator, secret=secret)
 
+    async def _check_route_fits(
+        self, inp: OpenInput, prefix: FrozenPrefix, estimator: TokenEstimator, budget: ContextBudget, secret: bytes
+    ) -> None:
+        """A rotation to another model route: the minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the
+        working state, corrections, the clock) must fit under the new route's estimate, or it is refused."""
+        previous = await self.store.get_prefix(inp.session_id, inp.epoch - 1)
+        if previous is None or ModelProfile.model_validate(previous["profile"]).route == estimator.profile.route:
+            return
+        writes = await self.store.working_state_writes(inp.session_id)
+        ws = self._working_state(writes, estimator.counter.count, 10**9)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        corrections = await self.store.corrections(inp.open.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=0,
+            call_index=0,
+            max_seq=0,
+            user_item_id="u:route-check",
+            checkpoint_id=None,
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in corrections
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso="2000-01-01T00:00:00+00:00",
+            profile=estimator.profile,
+            budget=budget,
+        )
+        message = UserMessage(id="u:route-check", seq=0, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+        try:
+            build(prefix, body_inputs([message], None, ri), budget=budget, estimator=estimator, secret=secret)
+        except TurnTooLargeError as exc:
+            refused = RouteDoesNotFitError(
+                estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
+            )
+            raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
+
+    async def _check_turn_fits(
+        self, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: _SessionCache, user_item_id: str
+    ) -> None:
+        """Before the user message is logged: its minimum body (message, working state, corrections, clock)
+        must fit beside the prefix, or the turn fails alone with TurnTooLarge and nothing is appended."""
+        assert inp.user_text is not None
+        prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+        estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
+        writes = await self.store.working_state_writes(inp.session_id)
+        ws = self._working_state(writes, estimator.counter.count, inp.turn + 1)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        correction_rows = await self.store.corrections(open_.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=inp.turn,
+            call_index=0,
+            max_seq=0,
+            user_item_id=user_item_id,
+            checkpoint_id=None,
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in correction_rows
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso=inp.now_iso,
+            profile=estimator.profile,
+            budget=open_.context_budget(estimator.profile),
+        )
+        message = UserMessage(id=user_item_id, seq=0, text=inp.user_text, trust=TrustLevel.USER)
+        body = body_inputs([message], None, ri)
+        try:
+            build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)
+        except TurnTooLargeError as exc:
+            raise _turn_too_large(exc, logged=False) from exc
+
     async def _plan(
         self,
         inp: BuildInput,
@@ -469,6 +567,8 @@ class SessionActivities:
             plan = build(
                 prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
             )
+        except TurnTooLargeError as exc:
+            raise _turn_too_large(exc, logged=True) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body
@@ -667,9 +767,7 @@ class SessionActivities:
         if inp.call.name == CONTROL_TOOL_NAME:
             # Anything the model writes in a turn with untrusted content in view is tainted, even a write made
             # in the same reply as the fetch that brought the content in (docs/trust.md).
-            in_turn = f"t{inp.turn}."
-            turn_tainted = any(i.taints_view() for i in items if i.id.startswith(in_turn))
-            return await self._update_working_state(inp, tainted=tainted or turn_tainted)
+            return await self._update_working_state(inp, tainted=self.write_tainted(tainted, items, inp.turn))
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
             return (
@@ -803,6 +901,59 @@ class SessionActivities:
         snapshot_ids = {s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"}
         return MemoryResult(memory_id=memory_id, correction_of_snapshot=inp.write.corrects in snapshot_ids)
 
+    @activity.defn(name=names.ACTIVITY_DELETE_MEMORY)
+    async def delete_memory(self, inp: DeleteMemoryInput) -> MemoryDeleted:
+        """Delete a memory from the store (and so from recall and later snapshots); a snapshot holding it gets
+        a correction line that withdraws it until the session's next epoch."""
+        memory_id = inp.delete.memory_id
+        deleted = await self.store.delete_memory(inp.scope, memory_id, reason=inp.delete.reason)
+        _, _, cache = await self._session(inp.session_id)
+        prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
+        in_snapshot = any(s.kind == "memory_snapshot" and s.item_id == f"memory.{memory_id}" for s in prefix.segments)
+        log.info("memory.deleted", session_id=inp.session_id, turn=inp.turn, epoch=inp.epoch, memory_id=memory_id)
+        return MemoryDeleted(memory_id=memory_id, deleted=deleted, in_snapshot=in_snapshot)
+
+    @activity.defn(name=names.ACTIVITY_WORKING_STATE_WRITE)
+    async def write_working_state(self, inp: WorkingStateInput) -> WorkingStateResult:
+        """A runtime write (ADR-0020 decision 14): all operations or none, logged once per update id, seen from
+        the next request on. Over a cap or naming an unknown id, it fails (non-retryable) and changes nothing."""
+        key = f"runtime:{inp.update_id}"
+        if not await self.store.has_working_state_write(inp.session_id, key):
+            open_, secret, cache = await self._session(inp.session_id)
+            _, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+            estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
+            state = self._working_state(
+                await self.store.working_state_writes(inp.session_id), estimator.counter.count, inp.turn + 1
+            )
+
+            def attempt(update: WorkingStateUpdate) -> None:
+                apply(
+                    state,
+                    update,
+                    writer="runtime",
+                    count=lambda text: measure_working_state(text, estimator=estimator, secret=secret),
+                    token_cap=open_.context_budget(profile).working_state_tokens,
+                )
+
+            try:
+                attempt(inp.update)
+            except ContextError as exc:
+                message = f"update_working_state: {_failing_operation(inp.update, attempt)}: {exc}"
+                await self._event(
+                    inp.session_id,
+                    f"ws_rejected:{key}",
+                    EventType.WORKING_STATE_REJECTED,
+                    inp.turn,
+                    inp.epoch,
+                    {"error": message, "writer": "runtime"},
+                )
+                raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
+            write = WorkingStateWrite(turn=inp.turn, writer="runtime", update=inp.update)
+            await self.store.add_working_state_write(inp.session_id, key, inp.turn, write.model_dump(mode="json"))
+        writes = await self.store.working_state_writes(inp.session_id)
+        state = self._working_state(writes, self.counter("cl100k_base").count, inp.turn + 1)
+        return WorkingStateResult(turn=inp.turn, working_state=render(state))
+
     @activity.defn(name=names.ACTIVITY_CLOSE)
     async def close_session(self, inp: CloseInput) -> None:
         await self.store.close_session(inp.session_id, inp.reason)
@@ -822,6 +973,8 @@ class SessionActivities:
             self.write_memory,
             self.close_session,
             self.record_event,
+            self.write_working_state,
+            self.delete_memory,
         ]
 
 
@@ -853,6 +1006,23 @@ def _model_result(
         estimated_tokens=estimated,
         overrun=estimated < actual if overrun is None else overrun,
     )
+
+
+def _failing_operation(update: WorkingStateUpdate, attempt: Any) -> str:
+    """Names the first operation whose application (with those before it) fails: `operations[2] (add_constraint)`."""
+    ops = update.operations
+    for i in range(len(ops)):
+        try:
+            attempt(WorkingStateUpdate(operations=ops[: i + 1]))
+        except ContextError:
+            return f"operations[{i}] ({ops[i].op})"
+    return "operations"
+
+
+def _turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:
+    """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details. `logged`:
+    whether the turn's message was already in the log (its tool calls' results did not fit as pointers)."""
+    return ApplicationError(str(exc), {**exc.details(), "logged": logged}, type="TurnTooLarge", non_retryable=True)
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:

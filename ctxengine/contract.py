@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.budget import ContextBudget
 from core.estimator import DEFAULT_PROFILES, ModelProfile
 from core.plan import PlanSummary
+from core.working_state import WorkingStateUpdate
 
 MAX_TURN_TEXT = 100_000  # characters; larger input belongs in an artifact, not a turn
 DEFAULT_PLATFORM_POLICY = (
@@ -55,9 +56,22 @@ class ModelRoute(_Input):
             update["context_window"] = self.context_window
         if self.min_cacheable_tokens is not None:
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
-        elif self.provider == "anthropic" and "haiku" in self.model:
-            update["min_cacheable_tokens"] = 2_048  # Anthropic's published minimum for Haiku-class models
+        elif self.provider == "anthropic":
+            update["min_cacheable_tokens"] = anthropic_min_cacheable(self.model)
+        if self.provider == "scripted":  # its published ratio: a new route never starts below it
+            update["calibration"] = max(base.calibration, self.scripted_usage_ratio)
         return base.model_copy(update=update)
+
+
+def anthropic_min_cacheable(model: str) -> int:
+    """Anthropic's published minimum cacheable prompt length for `model` (prompt-caching docs): 4,096 tokens
+    for Haiku 4.5 and Opus 4.5/4.6, 2,048 for Haiku 3 and 3.5, 1,024 for the other current models."""
+    name = model.lower()
+    if any(m in name for m in ("haiku-4-5", "haiku-4.5", "opus-4-5", "opus-4.5", "opus-4-6", "opus-4.6")):
+        return 4_096
+    if "haiku" in name:
+        return 2_048
+    return 1_024
 
 
 class ActivityTimeouts(_Input):
@@ -88,7 +102,8 @@ class SessionOpen(_Input):
 
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
         """The budget for a route: its window, with this session's overrides on top."""
-        base = ContextBudget(context_window=(profile or self.model_route.profile()).context_window)
+        # Unvalidated here: a route's small window with the default output reserve is checked once merged.
+        base = ContextBudget.model_construct(context_window=(profile or self.model_route.profile()).context_window)
         return ContextBudget.model_validate({**base.model_dump(), **self.budget})
 
 
@@ -123,6 +138,37 @@ class WriteMemory(_Input):
 
 class CloseSession(_Input):
     reason: str = "closed by caller"
+
+
+class GrantTool(_Input):
+    """Update `grant_tool`: re-grant a revoked tool, or grant a pinned tool `SessionOpen.grants` left out.
+
+    The prefix is untouched (same prefix hash, no epoch). A tool that is not pinned needs an epoch rotation.
+    """
+
+    name: str
+    reason: str = "granted by operator"
+
+
+class DeleteMemory(_Input):
+    """Update `delete_memory`: the memory leaves the store and later recall. A session whose frozen snapshot
+    holds it keeps it until its next epoch, with a correction line saying it was withdrawn."""
+
+    memory_id: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,100}$")
+    reason: str = Field(default="withdrawn by the user", max_length=500)
+
+
+class MemoryDeleted(BaseModel):
+    memory_id: str
+    deleted: bool  # False: no such memory in the session's scope (already deleted, or never written)
+    in_snapshot: bool  # the session's frozen snapshot holds it: a correction line withdraws it until next epoch
+
+
+class WorkingStateResult(BaseModel):
+    """Result of update `update_working_state`: the working state the next request will show."""
+
+    turn: int  # the first turn whose requests see this write
+    working_state: str
 
 
 class ToolCallOutcome(BaseModel):
@@ -173,6 +219,7 @@ class SessionState(BaseModel):
     prefix_hashes: dict[str, list[str]] = Field(default_factory=dict)  # epoch -> distinct hashes seen
     pinned_tools: list[str] = Field(default_factory=list)
     revoked_tools: dict[str, str] = Field(default_factory=dict)
+    granted_tools: list[str] = Field(default_factory=list)  # pinned tools granted beyond SessionOpen.grants
     removed_tools: list[str] = Field(default_factory=list)  # taken out of the prefix by a forced revocation
     compaction_runs: int = 0  # every CompactionWorkflow started, whatever it decided: names the next one
     working_state: str = ""
@@ -283,6 +330,23 @@ class EventInput(BaseModel):
     turn: int
     epoch: int
     payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class WorkingStateInput(BaseModel):
+    session_id: str
+    update_id: str
+    turn: int  # the first turn that sees the write: the one after the last finished turn
+    epoch: int
+    update: WorkingStateUpdate
+
+
+class DeleteMemoryInput(BaseModel):
+    session_id: str
+    scope: str
+    delete: DeleteMemory
+    update_id: str
+    turn: int
+    epoch: int
 
 
 class CloseInput(BaseModel):

@@ -101,6 +101,7 @@ async def live_stack(
     fault_prefix_timestamp: bool = False,
     adversarial: bool = False,
     activities_class: type[SessionActivities] = SessionActivities,
+    providers: dict[str, Any] | None = None,
     wire: bool = False,
     wire_adapters: Mapping[str, type[Any]] | None = None,
 ) -> AsyncIterator[Stack]:
@@ -136,17 +137,21 @@ async def live_stack(
             await store.migrate()
         task_queue = f"gate-{uuid.uuid4().hex[:8]}"
         servers = stack.enter_context(protocol_servers()) if wire else None
-        providers: dict[str, Any] = {"scripted": AdversarialProvider()} if adversarial else {}
+        on_wire: dict[str, Any] = {}
         if servers is not None:
             adapters = wire_adapters or {}
-            providers.update(servers.providers(adapters.get("openai"), adapters.get("anthropic")))
+            on_wire = servers.providers(adapters.get("openai"), adapters.get("anthropic"))
         await stack.enter_async_context(
             running_worker(
                 client,
                 store,
                 task_queue=task_queue,
                 fault_prefix_timestamp=fault_prefix_timestamp,
-                providers=providers or None,
+                providers={
+                    **({"scripted": AdversarialProvider()} if adversarial else {}),
+                    **on_wire,
+                    **(providers or {}),
+                },
                 executors=HARNESS_EXECUTORS,
                 activities_class=activities_class,
             )
@@ -460,7 +465,44 @@ async def gate_trust(s: Stack) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ budget
-async def gate_budget(s: Stack) -> dict[str, Any]:
+async def gate_budget(
+    s: Stack,
+    *,
+    examples: int = 4,
+    ops: tuple[int, int] = (3, 7),
+    seed: int | None = None,
+    routes: bool = True,
+    scripts: list[Any] | None = None,
+) -> dict[str, Any]:
+    """Every turn fits or fails alone: the route sessions below, then the torture run (ctxengine/torture.py) of
+    `examples` hypothesis-drawn sessions (derandomized unless `seed`). Passed when no request exceeded its
+    limit, no session got stuck, every TurnTooLarge's sizes were checked, yields kept the ADR order, and
+    reconciled routes never underestimated."""
+    from ctxengine.torture import draw_scripts, torture
+
+    fixed = await _budget_routes(s) if routes else {"passed": True, "sessions": 0, "requests": 0}
+    if scripts is None:
+        scripts = draw_scripts(examples, ops=ops, seed=seed)
+    t = (await torture(s, scripts)).as_dict()
+    return {
+        "passed": bool(fixed["passed"] and t["passed"]),
+        "sessions": fixed["sessions"] + t["sessions"],
+        "requests": fixed["requests"] + t["requests"],
+        "requests_over_window": fixed.get("requests_over_window", 0) + t["requests_over_window"],
+        "max_actual_over_limit": max(fixed.get("max_actual_over_limit", 0.0), t["max_actual_over_limit"]),
+        "underestimates_after_reconciliation": fixed.get("underestimates_after_reconciliation", 0),
+        "sessions_stuck": t["sessions_stuck"],
+        "turns_too_large": t["turns_too_large"],
+        "turns_too_large_sizes_checked": t["turns_too_large_sizes_checked"],
+        "min_window_tested": min(t["min_window_tested"], 6_000 if routes else t["min_window_tested"]),
+        "rotations": t["rotations"],
+        "rotations_refused": t["rotations_refused"],
+        "yields_out_of_order": t["yields_out_of_order"],
+        "torture": {"seed": "derandomized" if seed is None else seed, "examples": examples, **t},
+    }
+
+
+async def _budget_routes(s: Stack) -> dict[str, Any]:
     """Across sessions and model routes (tokenizers counting 1.0-1.45x tiktoken), no request exceeds its window,
     and once a route is reconciled its estimates never fall below reported usage."""
     run = uuid.uuid4().hex[:6]
@@ -538,7 +580,7 @@ def crafted_orphans() -> tuple[int, int]:
 
 async def gate_pairs(s: Stack) -> dict[str, Any]:
     """No orphaned call or result is ever sent (every stored request checked); crafted orphans are rejected."""
-    handle = await s.start(_open(budget={"context_window": 8_000, "output_reserve": 600}), "pairs")
+    handle = await s.start(_open(budget={"context_window": 6_000, "output_reserve": 600}), "pairs")
     for t in range(16):
         calls = [
             '/call web.fetch {"url": "fixture://long"}',
@@ -637,20 +679,24 @@ async def run_gate(
     dsn: str | None = None,
     fault_prefix_timestamp: bool = False,
     activities_class: type[SessionActivities] = SessionActivities,
+    providers: dict[str, Any] | None = None,
     wire_adapters: Mapping[str, type[Any]] | None = None,
+    **gate_kw: Any,
 ) -> dict[str, Any]:
-    """Run one gate on a live stack; `activities_class` and `wire_adapters` are how a negative test injects
-    its fault."""
+    """Run one gate on a live stack. A negative test injects its fault through `activities_class` (a subclass
+    of the production activities), `providers` (added to the worker's) or `wire_adapters` (an adapter class
+    of its own for the protocol servers, e.g. `{"openai": FaultyAdapter}`); `gate_kw` goes to the gate."""
     fn, options = GATES[name]
     async with live_stack(
         client=None if options.get("time_skipping") else client,
         dsn=dsn,
         fault_prefix_timestamp=fault_prefix_timestamp,
         activities_class=activities_class,
+        providers=providers,
         wire_adapters=wire_adapters,
         **options,
     ) as stack:
-        return await fn(stack)
+        return await fn(stack, **gate_kw)  # type: ignore[call-arg]
 
 
 async def run_gates(names_: list[str], **kw: Any) -> dict[str, Any]:

@@ -12,21 +12,25 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from core.working_state import CONTROL_TOOL_NAME
+    from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
     from ctxengine import names
     from ctxengine.contract import (
         ChildRunInput,
         ChildRunResult,
         CloseInput,
         CloseSession,
+        DeleteMemory,
+        DeleteMemoryInput,
         EventInput,
         FormationInput,
         FormationResult,
+        GrantTool,
+        MemoryDeleted,
         MemoryInput,
         MemoryResult,
         OpenInput,
@@ -37,6 +41,8 @@ with workflow.unsafe.imports_passed_through():
         SessionState,
         TurnInput,
         TurnResult,
+        WorkingStateInput,
+        WorkingStateResult,
         WriteMemory,
     )
     from ctxengine.events import EventType
@@ -49,6 +55,14 @@ SA_TURNS_EVERY = 10
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
+
+
+def _update_failure(exc: ActivityError) -> ApplicationError:
+    """An activity's typed failure as the update's own, so a caller sees its type and message first-hand."""
+    cause = exc.cause if isinstance(exc.cause, ApplicationError) else None
+    if cause is None:
+        return ApplicationError(str(exc), type="ActivityFailed", non_retryable=True)
+    return ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True)
 
 
 # A start input that is not a SessionOpen fails the workflow with pydantic's message (naming the field),
@@ -134,7 +148,10 @@ class SessionWorkflow:
 
     async def _turn(self, turn: int, text: str, update_id: str) -> TurnResult:
         runner = TurnRunner(self.open, self.state, escalate=self._escalate)
-        return await runner.run(turn, text=text, update_id=update_id)
+        try:
+            return await runner.run(turn, text=text, update_id=update_id)
+        except (ActivityError, ChildWorkflowError) as exc:
+            raise _typed(exc, "TurnTooLarge") from exc
 
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
@@ -159,6 +176,10 @@ class SessionWorkflow:
             self.child = None
         # Adopt the child's state, keeping revocations that arrived while it ran (it got them by signal too).
         done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
+        # Grants made while it ran reached it by signal too and undo revocations: the parent saw every change to
+        # authorisation (the child only receives them), so its view wins.
+        done.state.revoked_tools = dict(self.state.revoked_tools)
+        done.state.granted_tools = list(self.state.granted_tools)
         self.state = done.state
         return done.result
 
@@ -187,6 +208,97 @@ class SessionWorkflow:
         if req.name == CONTROL_TOOL_NAME:
             raise ValueError(f"revoke_tool: {CONTROL_TOOL_NAME} is the working-state control tool and stays granted")
 
+    @workflow.update(name=names.UPDATE_GRANT_TOOL)
+    async def grant_tool(self, req: GrantTool) -> SessionState:
+        """Authorisation changes at call time both ways (ADR-0020 decision 4): the prefix is untouched."""
+        await workflow.wait_condition(lambda: self.ready)
+        self._check_grantable(req.name)
+        self.state.revoked_tools.pop(req.name, None)
+        left_out = self.open.grants is not None and req.name not in self.open.grants
+        if left_out and req.name not in self.state.granted_tools:
+            self.state.granted_tools.append(req.name)
+        if self.child is not None:  # a turn running in a child run authorises against its own copy
+            await self.child.signal(ChildRunWorkflow.grant_tool, req)
+        self._publish()
+        return self.state
+
+    @grant_tool.validator
+    def _validate_grant(self, req: GrantTool) -> None:
+        self._validate_open()
+        if self.ready:
+            self._check_grantable(req.name)
+
+    def _check_grantable(self, name: str) -> None:
+        if name not in self.state.pinned_tools or name in self.state.removed_tools:
+            raise ApplicationError(
+                f"grant_tool: {name!r} is not in this epoch's pinned tool set "
+                f"({', '.join(t for t in self.state.pinned_tools if t not in self.state.removed_tools)}); "
+                "adding a tool changes the prefix and needs an epoch rotation",
+                type="ToolNotPinned",
+                non_retryable=True,
+            )
+
+    @workflow.update(name=names.UPDATE_WORKING_STATE)
+    async def update_working_state(self, req: WorkingStateUpdate) -> WorkingStateResult:
+        """Runtime writes to the working state (ADR-0020 decision 14), between turns: serialised with them."""
+        await workflow.wait_condition(lambda: self.ready)
+        update_id = workflow.current_update_info().id  # type: ignore[union-attr]
+        async with self.lock:
+            if self.state.status != "open":
+                raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
+            try:
+                result: WorkingStateResult = await workflow.execute_activity(
+                    names.ACTIVITY_WORKING_STATE_WRITE,
+                    WorkingStateInput(
+                        session_id=self.state.session_id,
+                        update_id=update_id,
+                        turn=self.state.turns + 1,
+                        epoch=self.state.epoch,
+                        update=req,
+                    ),
+                    result_type=WorkingStateResult,
+                    start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                    retry_policy=RETRY,
+                    summary=f"runtime working-state write: {', '.join(op.op for op in req.operations)}",
+                )
+            except ActivityError as exc:
+                raise _update_failure(exc) from exc
+            self.state.working_state = result.working_state
+            self._publish()
+            return result
+
+    @update_working_state.validator
+    def _validate_working_state(self, req: WorkingStateUpdate) -> None:
+        self._validate_open()
+
+    @workflow.update(name=names.UPDATE_DELETE_MEMORY)
+    async def delete_memory(self, req: DeleteMemory) -> MemoryDeleted:
+        await workflow.wait_condition(lambda: self.ready)
+        update_id = workflow.current_update_info().id  # type: ignore[union-attr]
+        try:
+            result: MemoryDeleted = await workflow.execute_activity(
+                names.ACTIVITY_DELETE_MEMORY,
+                DeleteMemoryInput(
+                    session_id=self.state.session_id,
+                    scope=self.open.memory_scope,
+                    delete=req,
+                    update_id=update_id,
+                    turn=self.state.turns,
+                    epoch=self.state.epoch,
+                ),
+                result_type=MemoryDeleted,
+                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                retry_policy=RETRY,
+                summary=f"delete memory {req.memory_id}",
+            )
+        except ActivityError as exc:
+            raise _update_failure(exc) from exc
+        return result
+
+    @delete_memory.validator
+    def _validate_delete_memory(self, req: DeleteMemory) -> None:
+        self._validate_open()
+
     @workflow.update(name=names.UPDATE_ROTATE_EPOCH)
     async def rotate_epoch(self, req: RotateEpoch) -> SessionState:
         await workflow.wait_condition(lambda: self.ready)
@@ -196,7 +308,10 @@ class SessionWorkflow:
             new_open = self.open.model_copy(update={"model_route": req.model_route}) if req.model_route else self.open
             removed = sorted({*self.state.removed_tools, *req.revoke_tools})
             # Nothing changes unless the new prefix opens: a failed rotation leaves the session as it was.
-            opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            try:
+                opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            except ActivityError as exc:
+                raise _typed(exc, "RotationRefused") from exc
             self.open = new_open
             self.state.model_route = new_open.model_route
             self.state.removed_tools = removed
@@ -308,10 +423,11 @@ class SessionWorkflow:
             raise ValueError("close_session: the session failed to open")
 
     def _validate_open(self) -> None:
+        # Typed, so a caller tells "start a new session" from malformed input (docs/contract.md).
         if self.closing or self.state.status == "closed":
-            raise ValueError("the session is closed; start a new session")
+            raise ApplicationError("the session is closed; start a new session", type="SessionNotOpen")
         if self.state.status == "failed":
-            raise ValueError("the session failed to open")
+            raise ApplicationError("the session failed to open", type="SessionNotOpen")
 
     # ------------------------------------------------------------ helpers
     async def _open(
@@ -366,3 +482,14 @@ class SessionWorkflow:
                         SA_PREFIX.value_set(hashes[-1]),
                     ]
                 )
+
+
+def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
+    """An activity's (or a child run's activity's) typed failure of this type, re-raised as the update's own
+    ApplicationError (type and details intact), so the caller sees it directly; any other failure unchanged."""
+    cause: BaseException | None = exc.cause
+    while isinstance(cause, ActivityError | ChildWorkflowError):
+        cause = cause.cause
+    if isinstance(cause, ApplicationError) and cause.type == type_:
+        return ApplicationError(cause.message, *cause.details, type=type_, non_retryable=True)
+    return exc

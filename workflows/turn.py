@@ -207,7 +207,7 @@ class TurnRunner:
 
     def _granted(self) -> list[str]:
         grants = self.open.grants
-        base = self.state.pinned_tools if grants is None else [*grants, CONTROL_TOOL_NAME]
+        base = self.state.pinned_tools if grants is None else [*grants, CONTROL_TOOL_NAME, *self.state.granted_tools]
         return [g for g in base if g not in self.state.revoked_tools]
 
     def _track_prefix(self, plan: PlanSummary) -> None:

@@ -106,3 +106,63 @@ async def test_replay_reproduces_and_halving_needs_compaction(
     assert halved["first_compaction_needed"] is not None
     assert halved["first_compaction_needed"]["turn"] > 1
     assert halved["prefix_hashes_differ"] == 0
+
+
+class TestValidateFloor:
+    def test_floor_is_the_smallest_window_that_takes_the_turn(self) -> None:
+        """validate's floor takes a turn of that message and those results; one token less does not."""
+        from core.build import PrefixInputs, open_prefix
+        from core.estimator import TokenEstimator
+        from ctxengine.operator_tools import _takes_turn
+
+        counter = TiktokenCounter()
+        open_ = session_open(budget={"output_reserve": 600})
+        report = validate_config(open_, open_.model_route, lambda _: counter, message_tokens=300, tool_results=4)
+        floor = report["min_context_window"]
+        assert 600 + report["prefix_tokens"] + 300 < floor < 16_384
+        estimator = TokenEstimator(open_.model_route.profile(), counter)
+        loose = report  # the prefix is measured the same way validate measures it
+        assert loose["floor_for"] == {"message_tokens": 300, "tool_results": 4}
+        tools = [t for t in validate_prefix_tools(open_)]
+        prefix = open_prefix(
+            PrefixInputs(
+                platform_policy=open_.platform_policy, agent_instructions=open_.agent_instructions, tools=tools
+            ),
+            budget=open_.context_budget().model_copy(update={"tools_max_count": 10**9}),
+            estimator=estimator,
+            secret=b"ctxengine-validate",
+        )
+        message = " ".join(["word"] * 300)
+        assert _takes_turn(open_, prefix, estimator, floor, message, 4)
+        assert not _takes_turn(open_, prefix, estimator, floor - 1, message, 4)
+
+    def test_more_tool_results_need_a_larger_window(self) -> None:
+        """The floor grows with the number of tool results, and the CLI prints it per route."""
+        counter = TiktokenCounter()
+        open_ = session_open(budget={"output_reserve": 600})
+        floors = [
+            validate_config(open_, open_.model_route, lambda _: counter, tool_results=n)["min_context_window"]
+            for n in (0, 4, 8)
+        ]
+        assert floors == sorted(floors) and floors[0] < floors[2]
+        res = runner.invoke(app, ["validate", str(EXAMPLE), "--tool-results", "8", "--message-tokens", "200"])
+        assert "floor: a 200-token message with 8 tool results" in " ".join(res.output.split())
+
+
+def validate_prefix_tools(open_: SessionOpen) -> list:  # type: ignore[type-arg]
+    from core.items import ToolDefinition
+    from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
+
+    tools = [
+        ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
+        for t in open_.tools
+    ]
+    tools.append(
+        ToolDefinition(
+            id=f"tool.{CONTROL_TOOL_NAME}",
+            name=CONTROL_TOOL_NAME,
+            description=CONTROL_TOOL_DESCRIPTION,
+            input_schema=control_tool_schema(),
+        )
+    )
+    return tools
