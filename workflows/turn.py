@@ -106,7 +106,11 @@ class TurnRunner:
                             f"turn {turn}: a child run's body needs compaction past depth 2",
                             type="ContextNeedsCompaction",
                         )
-                    return await self.escalate(turn, user_item_id, call_index)
+                    rest = await self.escalate(turn, user_item_id, call_index)
+                    # The turn's result is the whole turn: the calls made here before the child run, then its own.
+                    return rest.model_copy(
+                        update={"tool_calls": [*outcomes, *rest.tool_calls], "model_calls": calls + rest.model_calls}
+                    )
                 if outcome.decision == CompactionDecision.NOTHING_TO_COMPACT.value:
                     raise ApplicationError(
                         f"turn {turn}: {plan.deficit_tokens:,} tokens over the input limit and nothing left to "
