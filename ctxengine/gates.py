@@ -51,7 +51,7 @@ from ctxengine.contract import (
 )
 from ctxengine.events import EventType
 from ctxengine.protocol_servers import ProtocolServers, protocol_servers
-from ctxengine.wire_gates import check_wire_stability, rerender_prefixes
+from ctxengine.wire_gates import check_wire_stability, rerender_prefixes, wire_budget, wire_pairs
 
 GateFn = Callable[["Stack"], Awaitable[dict[str, Any]]]
 FAST = ActivityTimeouts(build_seconds=10, model_seconds=30, model_heartbeat_seconds=10, tool_seconds=10)
@@ -486,8 +486,17 @@ async def gate_budget(
     if scripts is None:
         scripts = draw_scripts(examples, ops=ops, seed=seed)
     t = (await torture(s, scripts)).as_dict()
+    # The independent observer: the same budget scenario through the OpenAI adapter, usage counted by the
+    # protocol server with its own tokenizer and ratio (not by the engine).
+    wire = await wire_budget(s) if s.wire is not None and routes else None
+    wire_ok = wire is None or (
+        not wire["faults"]
+        and wire["requests_over_window_by_server_count"] == 0
+        and wire["underestimates_by_server_count"] == 0
+    )
     return {
-        "passed": bool(fixed["passed"] and t["passed"]),
+        "passed": bool(fixed["passed"] and t["passed"] and wire_ok),
+        "wire": wire,
         "sessions": fixed["sessions"] + t["sessions"],
         "requests": fixed["requests"] + t["requests"],
         "requests_over_window": fixed.get("requests_over_window", 0) + t["requests_over_window"],
@@ -607,8 +616,13 @@ async def gate_pairs(s: Stack) -> dict[str, Any]:
         orphans_sent += int(bool(find_orphans(segs)))
     crafted, rejected = crafted_orphans()
     state = await s.state(handle)
+    # The independent observer: the scenario through both adapters, the recorded wire bodies checked for
+    # orphans (OpenAI tool_call_id / tool messages, Anthropic tool_use / tool_result).
+    wire = await wire_pairs(s, window=6_000) if s.wire is not None else None
+    wire_ok = wire is None or (wire["wire_requests_with_orphans"] == 0 and not wire["faults"])
     return {
-        "passed": orphans_sent == 0 and rejected == crafted and checked > 0,
+        "passed": orphans_sent == 0 and rejected == crafted and checked > 0 and wire_ok,
+        "wire": wire,
         "requests_checked": checked,
         "orphans_sent": orphans_sent,
         "crafted_orphans": crafted,
@@ -666,8 +680,8 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
 GATES: dict[str, tuple[GateFn, dict[str, Any]]] = {
     "stability": (gate_stability, {"time_skipping": True, "wire": True}),
     "trust": (gate_trust, {"adversarial": True}),
-    "budget": (gate_budget, {}),
-    "pairs": (gate_pairs, {}),
+    "budget": (gate_budget, {"wire": True}),
+    "pairs": (gate_pairs, {"wire": True}),
     "determinism": (gate_determinism, {}),
     "compaction": (gate_compaction, {"adversarial": True}),
 }
