@@ -143,4 +143,8 @@ MIGRATIONS: tuple[str, ...] = (
         updated_at timestamptz NOT NULL DEFAULT now()
     );
     """,
+    # 2: one owner per session id (docs/reliability.md): the first run id of the workflow that opened it
+    """
+    ALTER TABLE sessions ADD COLUMN IF NOT EXISTS owner text;
+    """,
 )

@@ -18,6 +18,7 @@ ACTIVITY_COMPACTION_SUMMARIZE = "compaction.summarize"
 ACTIVITY_COMPACTION_COMMIT = "compaction.commit"
 ACTIVITY_COMPACTION_ESCALATE = "compaction.escalate"
 ACTIVITY_MEMORY_FORM = "memory.form"
+ACTIVITY_SEAL_TURN = "context.seal_turn"  # a failed turn's unanswered tool calls get error results
 
 UPDATE_SUBMIT_TURN = "submit_turn"
 UPDATE_REVOKE_TOOL = "revoke_tool"

@@ -14,11 +14,15 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from core.compaction import CompactionDecision
-    from ctxengine import names
+    from ctxengine import names, retries
     from ctxengine.contract import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
 
 RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
+    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )
 SUMMARIZE_CONCURRENCY = 4
 
