@@ -33,7 +33,7 @@ from core.estimator import ModelProfile, TokenEstimator
 from core.items import AssistantMessage, ToolCall, ToolResult
 from core.rendering import derive_nonce, parse_envelopes, render_envelope
 from core.validation import find_orphans
-from ctxengine import names
+from ctxengine import gates_reliability, names
 from ctxengine.attack_corpus import ATTACKS, REAL_NONCE
 from ctxengine.contract import (
     ActivityTimeouts,
@@ -430,8 +430,10 @@ GATES: dict[str, tuple[GateFn, dict[str, Any]]] = {
     "pairs": (gate_pairs, {}),
     "determinism": (gate_determinism, {}),
     "compaction": (gate_compaction, {}),
+    "chaos": (gates_reliability.chaos_gate, {}),
+    "inputs": (gates_reliability.inputs_gate, {}),
 }
-ALL = ("stability", "trust", "budget", "pairs", "determinism")
+ALL = ("stability", "trust", "budget", "pairs", "determinism", "chaos", "inputs")
 
 
 async def run_gate(
