@@ -41,7 +41,7 @@ from workflows.session import SessionWorkflow
 WORKFLOWS = [SessionWorkflow, CompactionWorkflow, ChildRunWorkflow]
 # A workflow task waits this long on a dead worker's sticky queue before any worker may take it (SDK default
 # 10 s): part of what a worker crash costs a turn (docs/reliability.md, "Failover").
-STICKY_SCHEDULE_TO_START = timedelta(seconds=2)
+STICKY_SCHEDULE_TO_START = timedelta(seconds=1)
 # At start, PostgreSQL or Temporal may not be up yet (a host boot, a compose start): wait with backoff.
 STARTUP_WAIT_S = 120.0
 

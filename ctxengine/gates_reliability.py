@@ -44,9 +44,11 @@ from ctxengine.contract import ActivityTimeouts, SessionOpen, TurnResult
 # Failover timeouts (docs/reliability.md, "Failover"): a dead worker's activity is retried after its heartbeat
 # timeout; its workflow task after the task timeout the session was started with.
 CHAOS_TIMEOUTS = ActivityTimeouts(
-    build_seconds=10, model_seconds=20, model_heartbeat_seconds=1.5, tool_seconds=10, heartbeat_seconds=1.5
+    build_seconds=10, model_seconds=20, model_heartbeat_seconds=1, tool_seconds=10, heartbeat_seconds=1
 )
-WORKFLOW_TASK_TIMEOUT = timedelta(seconds=2)
+# Not shorter: a fresh worker's first task replays the session and imports the sandbox's modules, which on a
+# loaded host takes seconds; a timeout then repeats and the server backs the task off (measured: 10-20 s).
+WORKFLOW_TASK_TIMEOUT = timedelta(seconds=5)
 ID_REUSE_POLICY = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY  # docs/reliability.md, "Session ids"
 
 
@@ -126,6 +128,25 @@ async def _retries(handle: WorkflowHandle[Any, Any]) -> int:
     return total
 
 
+async def _gaps(handle: WorkflowHandle[Any, Any], over_s: float = 2.0) -> list[tuple[float, str]]:
+    """Waits longer than `over_s` between consecutive history events, named by the two events: where a turn's
+    latency went (a timeout after a kill, a retry's backoff)."""
+    out: list[tuple[float, str]] = []
+    last: Any = None
+    async for e in handle.fetch_history_events():
+        if last is not None:
+            gap = e.event_time.ToDatetime().timestamp() - last.event_time.ToDatetime().timestamp()
+            if gap > over_s:
+                before = HistoryEventType.Name(last.event_type).removeprefix("EVENT_TYPE_")
+                after = HistoryEventType.Name(e.event_type).removeprefix("EVENT_TYPE_")
+                detail = ""
+                if e.event_type == HistoryEventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
+                    detail = f" ({e.workflow_task_timed_out_event_attributes.timeout_type})"
+                out.append((round(gap, 2), f"{before} -> {after}{detail} (event {e.event_id})"))
+        last = e
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ chaos
 
 
@@ -137,6 +158,7 @@ class ChaosProfile:
     postgres_restarts: int = 2
     workers: int = 3
     seed: int = 12
+    kill_every_s: tuple[float, float] = (2.0, 4.0)  # a kill at a random point this far after the last
     worker_script: Path | None = None  # the test harness's faulty worker (negative test); None: worker.py
     turn_timeout_s: float = 120.0
 
@@ -174,6 +196,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
     handles: list[WorkflowHandle[Any, Any]] = []
     counter = 0
     spawning: list[asyncio.Future[Any]] = []
+    slowest: list[tuple[float, str]] = []
 
     async def spawn() -> WorkerProcess:
         nonlocal counter
@@ -197,7 +220,11 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
 
     async def converse(index: int) -> None:
         handle = await _start(
-            client, task_queue, _open(budget={"context_window": 6_000, "output_reserve": 500}), f"chaos{index}"
+            client,
+            task_queue,
+            # Continue-as-new every 10 turns: short histories replay fast on the worker that takes over.
+            _open(budget={"context_window": 6_000, "output_reserve": 500}, continue_as_new_after_turns=10),
+            f"chaos{index}",
         )
         handles.append(handle)
         done = 0
@@ -217,6 +244,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
                 failures.append(f"{handle.id} turn {n}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             latencies.append(time.monotonic() - began)
+            slowest.append((round(latencies[-1], 2), f"{handle.id} turn {n}"))
             done += 1
         answered.append(done)
 
@@ -224,7 +252,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
         nonlocal kills, restarts
         restart_at = sorted(rng.sample(range(1, profile.kills + 1), min(profile.postgres_restarts, profile.kills)))
         while not stop.is_set() and kills < profile.kills:
-            await asyncio.sleep(rng.uniform(0.8, 2.0))
+            await asyncio.sleep(rng.uniform(profile.kill_every_s[0], profile.kill_every_s[1]))
             alive = [w for w in workers if w.alive]
             if len(alive) >= 2:
                 rng.choice(alive).kill()
@@ -268,8 +296,10 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
             figures = await log_figures(store, [h.id for h in handles])
         retries = 0
         failed_runs = 0
+        gaps: list[tuple[float, str]] = []
         for h in handles:
             retries += await _retries(h)
+            gaps += await _gaps(h)
             if (await h.describe()).status not in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED):
                 failed_runs += 1
     finally:
@@ -302,6 +332,8 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
         "retries": retries,
         "elapsed_s": round(elapsed, 1),
         "failures": failures[:10],
+        "slowest_turns": sorted(slowest, reverse=True)[:5],
+        "longest_waits": sorted(gaps, reverse=True)[:8],
     }
     result["passed"] = (
         kills >= profile.kills

@@ -20,7 +20,7 @@ with workflow.unsafe.imports_passed_through():
 RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200),
     backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
     maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
     non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )
@@ -37,6 +37,7 @@ class CompactionWorkflow:
             inp,
             result_type=CompactionStep,
             start_to_close_timeout=timedelta(seconds=t.build_seconds),
+            heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"plan {inp.checkpoint_id}",
         )
@@ -50,6 +51,7 @@ class CompactionWorkflow:
                 inp,
                 result_type=CompactionOutcome,
                 start_to_close_timeout=timedelta(seconds=t.build_seconds),
+                heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"escalate: {step.reason}",
             )
@@ -65,6 +67,7 @@ class CompactionWorkflow:
                         session_id=inp.session_id, epoch=inp.epoch, checkpoint_id=inp.checkpoint_id, chunk_index=index
                     ),
                     start_to_close_timeout=timedelta(seconds=t.model_seconds),
+                    heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
                     retry_policy=RETRY,
                     summary=f"summarize chunk {index + 1}/{step.chunks}",
                 )
@@ -75,6 +78,7 @@ class CompactionWorkflow:
             inp,
             result_type=CompactionOutcome,
             start_to_close_timeout=timedelta(seconds=t.build_seconds),
+            heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"commit {inp.checkpoint_id} (depth {step.depth})",
         )

@@ -168,6 +168,7 @@ class SessionWorkflow:
             ),
             id=f"{self.state.session_id}/turn-run/{turn}",
             static_summary=f"turn {turn} of session {self.state.session_id}, in a child run (long history)",
+            task_timeout=workflow.info().task_timeout,
         )
         try:
             done: ChildRunResult = await self.child
@@ -195,6 +196,7 @@ class SessionWorkflow:
                     reason=f"{type_}: {message}"[:300],
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"seal failed turn {turn}",
             )
@@ -213,6 +215,7 @@ class SessionWorkflow:
             ),
             id=f"{self.state.session_id}/child-run/{number}",
             static_summary=f"child run {number} of session {self.state.session_id} (turn {turn})",
+            task_timeout=workflow.info().task_timeout,  # the caller's failover choice (docs/reliability.md)
         )
         try:
             done: ChildRunResult = await self.child
@@ -282,6 +285,7 @@ class SessionWorkflow:
                     },
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"epoch {old} -> {new}: {req.reason}",
             )
@@ -324,6 +328,7 @@ class SessionWorkflow:
             ),
             result_type=MemoryResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary="write memory" + (f" correcting {req.corrects}" if req.corrects else ""),
         )
@@ -355,6 +360,7 @@ class SessionWorkflow:
                 ),
                 result_type=FormationResult,
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="memory formation",
             )
@@ -367,6 +373,7 @@ class SessionWorkflow:
                     epoch=self.state.epoch,
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="close session",
             )
@@ -408,6 +415,7 @@ class SessionWorkflow:
             ),
             result_type=OpenResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"open epoch {epoch} ({reason})",
         )

@@ -39,7 +39,7 @@ MAX_COMPACTIONS_PER_REQUEST = 2
 RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200),
     backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
     # Bounded, and no retry for data or programming errors (ctxengine/retries.py, docs/reliability.md).
     maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
     non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
@@ -47,7 +47,7 @@ RETRY = RetryPolicy(
 MODEL_RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200),
     backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
     maximum_attempts=retries.MODEL_MAX_ATTEMPTS,
     non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )
@@ -217,6 +217,7 @@ class TurnRunner:
             ),
             id=f"{self.state.session_id}/compaction/{number}",
             static_summary=f"compaction {number} of session {self.state.session_id} (turn {turn})",
+            task_timeout=workflow.info().task_timeout,  # the caller's failover choice (docs/reliability.md)
         )
         m = self.state.metrics
         if outcome.decision == CompactionDecision.COMPACT.value:

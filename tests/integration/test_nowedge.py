@@ -208,3 +208,44 @@ async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue
         assert sum(not isinstance(o, BaseException) for o in outcomes) == 1, outcomes
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.status == "closed"
+
+
+async def test_worker_waits_for_postgres_at_start(
+    temporal_client: Client, temporal_address: str, pg_restartable: Any, tmp_path: Any
+) -> None:
+    """A worker started while PostgreSQL is down waits (logged backoff) and serves once it is up."""
+    from tests.integration.worker_process import WorkerProcess
+
+    server_dsn = await pg_restartable.start()
+    await pg_restartable.stop()
+    queue = f"wait-{time.monotonic_ns()}"
+    worker = WorkerProcess(
+        temporal_address=temporal_address, dsn=server_dsn, task_queue=queue, home=tmp_path, name="patient"
+    )
+    try:
+        starting = asyncio.create_task(worker.start(temporal_client, timeout=60))
+        await asyncio.sleep(4)
+        assert worker.alive, worker.log_tail()
+        await pg_restartable.start()
+        await starting
+        assert "worker.waiting" in worker.log_tail() or "worker.waiting" in worker.log_path.read_text()
+        handle = await start(temporal_client, queue)
+        assert (await asyncio.wait_for(turn(handle, "hello"), timeout=30)).turn == 1
+    finally:
+        worker.kill()
+        await pg_restartable.start()
+
+
+async def test_continued_session_keeps_its_id(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A session that continued as new is the same owner: a later rotation reopens its own id."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, session_open(continue_as_new_after_turns=1))
+        await turn(handle, "one")
+        await turn(handle, "two")
+        state = await _update(
+            handle,
+            names.UPDATE_ROTATE_EPOCH,
+            {"reason": "model_route_changed", "model_route": {"provider": "scripted", "model": "scripted-2"}},
+        )
+        assert state["epoch"] == 2
+        assert (await turn(handle, "three")).epoch == 2
