@@ -163,7 +163,7 @@ class ChaosProfile:
     turn_timeout_s: float = 120.0
 
 
-FAST_CHAOS = ChaosProfile(sessions=2, turns=8, kills=3, postgres_restarts=1, workers=2)
+FAST_CHAOS = ChaosProfile(sessions=2, turns=6, kills=3, postgres_restarts=1, workers=3)
 FULL_CHAOS = ChaosProfile()
 
 
@@ -365,7 +365,7 @@ class InputsProfile:
     extra: list[tuple[str, Any]] = field(default_factory=list)
 
 
-FAST_INPUTS = InputsProfile(cases=50, starts_every=8)
+FAST_INPUTS = InputsProfile(cases=30, starts_every=6)
 FULL_INPUTS = InputsProfile()
 
 # The cases, sent first (ADR-0020 contract fields; docs/reliability.md, "Refused at the door").

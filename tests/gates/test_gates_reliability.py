@@ -13,7 +13,7 @@ from activities.store import Store
 from ctxengine.gates_reliability import FAST_CHAOS, FAST_INPUTS, gate_chaos, gate_inputs, log_figures
 from tests.integration.session_helpers import stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 FAULTY_WORKER = Path(__file__).with_name("faulty_worker.py")
 
 
