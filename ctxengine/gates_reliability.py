@@ -32,6 +32,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.service import RPCError
@@ -163,7 +164,7 @@ class ChaosProfile:
     turn_timeout_s: float = 120.0
 
 
-FAST_CHAOS = ChaosProfile(sessions=2, turns=6, kills=3, postgres_restarts=1, workers=3)
+FAST_CHAOS = ChaosProfile(sessions=3, turns=10, kills=3, postgres_restarts=1, workers=3)
 FULL_CHAOS = ChaosProfile()
 
 
@@ -508,7 +509,7 @@ async def gate_inputs(
             return False
 
     handle = await fresh()
-    cases: list[tuple[str, Any]] = list(KNOWN_CASES) + list(profile.extra)
+    cases: list[tuple[str, Any]] = (list(KNOWN_CASES) + list(profile.extra))[: profile.cases]
     while len(cases) < profile.cases:
         name = "start" if rng.randrange(profile.starts_every) == 0 else rng.choice(updates)
         if name != "start" and rng.random() < 0.02:
@@ -527,7 +528,7 @@ async def gate_inputs(
             if name == names.UPDATE_CLOSE_SESSION:
                 handle = await fresh()
             continue
-        except TimeoutError:
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):  # wait_for's cancel becomes the latter
             outcomes["timed_out"] += 1
             examples.append(f"case {index} {name}: no answer within {bound}s")
             if not await healthy(handle):
