@@ -205,17 +205,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
         w = WorkerProcess(
             temporal_address=temporal_address, dsn=dsn, task_queue=task_queue, home=home, name=f"w{counter}"
         )
-        if profile.worker_script is not None:
-            import tests.integration.worker_process as wp
-
-            original = wp.WORKER_SCRIPT
-            wp.WORKER_SCRIPT = profile.worker_script
-            try:
-                await w.start(client, timeout=90)
-            finally:
-                wp.WORKER_SCRIPT = original
-        else:
-            await w.start(client, timeout=90)
+        await w.start(client, timeout=90)
         workers.append(w)
         return w
 
@@ -265,6 +255,12 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
                 await pg.start()
                 restarts += 1
 
+    import tests.integration.worker_process as worker_process_module
+
+    # The faulty worker of a negative test: set once for the whole run (spawns overlap) and always restored.
+    original_script = worker_process_module.WORKER_SCRIPT
+    if profile.worker_script is not None:
+        worker_process_module.WORKER_SCRIPT = profile.worker_script
     try:
         await asyncio.gather(*(spawn() for _ in range(profile.workers)))
         stop = asyncio.Event()
@@ -309,6 +305,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
                 await task
         for w in workers:
             w.kill()
+        worker_process_module.WORKER_SCRIPT = original_script
         await pg.close()
     turns = sum(answered)
     expected = profile.sessions * profile.turns + (len(answered) - profile.sessions)
