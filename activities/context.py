@@ -254,6 +254,12 @@ class SessionActivities:
                 non_retryable=True,
             ) from exc
         profile = await self._profile(inp.open.model_route.profile())
+        if profile.provider not in self.providers:  # refused at open, not at every later turn
+            raise ApplicationError(
+                f"model_route.provider: {profile.provider!r} is not configured on this worker",
+                type="ProviderNotConfigured",
+                non_retryable=True,
+            )
         tools = [
             ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
             for t in inp.open.tools

@@ -517,6 +517,8 @@ async def gate_inputs(
         if name == "start":
             kind = await _start_case(client, task_queue, arg, bound)
             outcomes[kind] += 1
+            if kind in ("timed_out", "untyped"):
+                examples.append(f"case {index} start: {kind}: {str(arg)[:200]}")
             continue
         before = await _stored(store, handle.id)
         try:
@@ -555,6 +557,12 @@ async def gate_inputs(
             WorkflowExecutionStatus.TIMED_OUT,
         ):
             terminated += 1
+            try:
+                await h.result()
+            except Exception as exc:
+                examples.append(
+                    f"session {h.id} ended {desc.status.name}: {_failure_type(exc)} {str(exc.__cause__)[:200]}"
+                )
         elif desc.status == WorkflowExecutionStatus.RUNNING and not await healthy(h):
             wedged += 1
     result = {
