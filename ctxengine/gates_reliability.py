@@ -492,10 +492,24 @@ async def gate_inputs(
     sessions: list[WorkflowHandle[Any, Any]] = []
     wedged = 0
 
+    unopenable: list[str] = []
+
     async def fresh() -> WorkflowHandle[Any, Any]:
         h = await _start(client, task_queue, _open(timeouts=ActivityTimeouts(model_seconds=20)), "inputs")
+        try:
+            await asyncio.wait_for(_normal_turn(h), timeout=profile.bound_s)
+        except Exception as exc:
+            # A finding, counted: e.g. memories written by earlier cases overflow the scope's snapshot cap, so
+            # no new session of the scope opens. The gate goes on in a scope of its own.
+            unopenable.append(f"{h.id}: {_failure_type(exc)}: {str(exc.__cause__ or exc)[:200]}")
+            h = await _start(
+                client,
+                task_queue,
+                _open(timeouts=ActivityTimeouts(model_seconds=20), memory_scope=f"gate-{uuid.uuid4().hex[:8]}"),
+                "inputs",
+            )
+            await asyncio.wait_for(_normal_turn(h), timeout=profile.bound_s)
         sessions.append(h)
-        await asyncio.wait_for(_normal_turn(h), timeout=profile.bound_s)
         return h
 
     async def healthy(h: WorkflowHandle[Any, Any]) -> bool:
@@ -572,6 +586,8 @@ async def gate_inputs(
         "sessions_wedged": wedged,
         "sessions_terminated": terminated,
         "stored_changes_on_refusal": stored_changes,
+        "sessions_unopenable": len(unopenable),
+        "unopenable": unopenable[:3],
         "examples": examples[:10],
     }
     result["passed"] = (
@@ -579,6 +595,7 @@ async def gate_inputs(
         and wedged == 0
         and terminated == 0
         and stored_changes == 0
+        and not unopenable
         and outcomes["untyped"] == 0
         and outcomes["timed_out"] == 0
     )
