@@ -291,12 +291,18 @@ class SessionActivities:
             memory_snapshot=snapshot,
         )
         try:
-            prefix = open_prefix(
-                prefix_inputs,
-                budget=budget,
-                estimator=estimator,
-                secret=secret,
-            )
+            while True:
+                try:
+                    prefix = open_prefix(prefix_inputs, budget=budget, estimator=estimator, secret=secret)
+                    break
+                except PrefixOverflowError as exc:
+                    # The snapshot is a selection from the scope's memories, not caller input: a scope holding
+                    # more than the cap takes fewer entries (oldest first) instead of refusing every new session.
+                    if exc.budget_class != "memory_snapshot" or not prefix_inputs.memory_snapshot:
+                        raise
+                    prefix_inputs = prefix_inputs.model_copy(
+                        update={"memory_snapshot": prefix_inputs.memory_snapshot[:-1]}
+                    )
         except PrefixOverflowError as exc:
             await self._event(
                 inp.session_id,
