@@ -88,6 +88,7 @@ from ctxengine.contract import (
     ModelResult,
     OpenInput,
     OpenResult,
+    SealTurnInput,
     SessionOpen,
     ToolCallRequest,
     ToolInput,
@@ -261,7 +262,10 @@ class SessionActivities:
     @activity.defn(name=names.ACTIVITY_OPEN)
     async def open_session(self, inp: OpenInput) -> OpenResult:
         """Pin the tool set and memory snapshot, measure the prefix exactly, store it for the epoch."""
-        secret = await self.store.create_session(inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32))
+        if inp.owner is None:  # scheduled by a run that predates session owners
+            secret = await self.store.create_session(inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32))
+        else:
+            secret = await self._claim(inp)
         existing = await self.store.get_prefix(inp.session_id, inp.epoch)
         if existing is not None:  # a retry, or a rotation replayed: the stored prefix is the truth
             prefix = FrozenPrefix.model_validate(existing["prefix"])
@@ -283,6 +287,12 @@ class SessionActivities:
                 non_retryable=True,
             ) from exc
         profile = await self._profile(inp.open.model_route.profile())
+        if profile.provider not in self.providers:  # refused at open, not at every later turn
+            raise ApplicationError(
+                f"model_route.provider: {profile.provider!r} is not configured on this worker",
+                type="ProviderNotConfigured",
+                non_retryable=True,
+            )
         tools = [
             operator_tool(t.name, t.description, t.input_schema) for t in inp.open.tools if t.name not in inp.revoked
         ]
@@ -299,12 +309,18 @@ class SessionActivities:
             memory_snapshot=snapshot,
         )
         try:
-            prefix = open_prefix(
-                prefix_inputs,
-                budget=budget,
-                estimator=estimator,
-                secret=secret,
-            )
+            while True:
+                try:
+                    prefix = open_prefix(prefix_inputs, budget=budget, estimator=estimator, secret=secret)
+                    break
+                except PrefixOverflowError as exc:
+                    # The snapshot is a selection from the scope's memories, not caller input: a scope holding
+                    # more than the cap takes fewer entries (oldest first) instead of refusing every new session.
+                    if exc.budget_class != "memory_snapshot" or not prefix_inputs.memory_snapshot:
+                        raise
+                    prefix_inputs = prefix_inputs.model_copy(
+                        update={"memory_snapshot": prefix_inputs.memory_snapshot[:-1]}
+                    )
         except PrefixOverflowError as exc:
             await self._event(
                 inp.session_id,
@@ -354,6 +370,63 @@ class SessionActivities:
             search_attributes=self.search_attributes,
         )
 
+    async def _claim(self, inp: OpenInput) -> bytes:
+        """One owner per session id: refuse an id whose session opened before (SessionIdTaken)."""
+        assert inp.owner is not None
+        row, owned = await self.store.claim_session(
+            inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32), inp.owner
+        )
+        if not owned:
+            opened = row["created_at"].isoformat(timespec="seconds")
+            closed = row["closed_at"].isoformat(timespec="seconds") if row["closed_at"] else None
+            raise ApplicationError(
+                f"session id {inp.session_id!r} is taken: its session opened at {opened} and "
+                + (f"closed at {closed}" if closed else "was never closed")
+                + "; a session id names one session forever, start with a new id",
+                {"session_id": inp.session_id, "opened_at": opened, "closed_at": closed},
+                type="SessionIdTaken",
+                non_retryable=True,
+            )
+        self._sessions.pop(inp.session_id, None)  # a replaced unopened session: nothing cached survives
+        return bytes(row["secret"])
+
+    async def _seal_orphans(self, session_id: str, upto_turn: int, reason: str) -> int:
+        """Give every tool call of turns <= `upto_turn` that has no result an error result, so no later
+        request carries half a pair (a failed turn, or a model reply a timed-out attempt stored late)."""
+        _, _, cache = await self._session(session_id)
+        items = await self._items(session_id, cache)
+        answered = {i.call_id for i in items if isinstance(i, ToolResult)}
+        unanswered = [i for i in items if isinstance(i, ToolCall) and i.call_id not in answered]
+        if not unanswered:
+            return 0
+        rows = {r["payload"]["id"]: r["turn"] for r in await self.store.load_items(session_id)}
+        orphans = [i for i in unanswered if rows.get(i.id, 0) <= upto_turn]
+        for call in orphans:
+            await self.store.append_items(
+                session_id,
+                rows[call.id],
+                [
+                    {
+                        "id": f"{call.id}.result",
+                        "kind": "tool_result",
+                        "trust": TrustLevel.TOOL.value,
+                        "call_id": call.call_id,
+                        "tool_name": call.tool_name,
+                        "content": f"error: not run: {reason}",
+                        "is_error": True,
+                        "artifact_ref": None,
+                    }
+                ],
+            )
+        if orphans:
+            log.warning("turn.sealed", session_id=session_id, turn=upto_turn, calls=len(orphans), reason=reason)
+        return len(orphans)
+
+    @activity.defn(name=names.ACTIVITY_SEAL_TURN)
+    async def seal_turn(self, inp: SealTurnInput) -> int:
+        """A failed turn: its unanswered tool calls get error results (the pair stays atomic)."""
+        return await self._seal_orphans(inp.session_id, inp.turn, f"turn {inp.turn} failed ({inp.reason})")
+
     @activity.defn(name=names.ACTIVITY_BUILD)
     async def build_context(self, inp: BuildInput) -> BuildResult:
         """Append the user message (once), load inputs by reference, build, store the request, return a summary."""
@@ -361,6 +434,7 @@ class SessionActivities:
         open_, secret, cache = await self._session(inp.session_id)
         user_item_id = inp.user_item_id
         if inp.user_text is not None:
+            await self._seal_orphans(inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran")
             user_item_id = f"u:{inp.update_id or inp.turn}"
             await self._check_turn_fits(inp, open_, secret, cache, user_item_id)
             await self.store.append_items(
@@ -625,7 +699,7 @@ class SessionActivities:
             estimated_tokens=record["estimated_tokens"],
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
-        reply = await _heartbeating(provider.complete(request))
+        reply = await _heartbeating(_within_attempt(provider.complete(request)))
         if reply.wire_prefix is not None:
             await self._record_wire_prefix(inp, reply.wire_prefix)
         # Usage first (the first attempt's figures win), then the reply's items, all or none of them.
@@ -650,7 +724,8 @@ class SessionActivities:
                     "text": reply.text,
                 }
             )
-        for j, call in enumerate(reply.tool_calls):
+        cap = len(reply.tool_calls) if inp.max_tool_calls is None else inp.max_tool_calls
+        for j, call in enumerate(reply.tool_calls[: cap + 1]):
             new_items.append(
                 {
                     "id": f"{base}call{j}",
@@ -662,6 +737,24 @@ class SessionActivities:
                     "call_id": f"call_t{inp.turn}_m{inp.call_index}_{j}",
                     "tool_name": call.name,
                     "arguments": call.arguments,
+                }
+            )
+        if len(reply.tool_calls) > cap:
+            # Past the cap: the next call is logged with its refusal (one pair the model sees); the rest are not
+            # logged at all, so a reply of 10,000 calls costs the log two items, not 20,000.
+            new_items.append(
+                {
+                    "id": f"{base}call{cap}.result",
+                    "kind": "tool_result",
+                    "trust": TrustLevel.TOOL.value,
+                    "tainted": tainted,  # a result inherits its call's taint
+                    "call_id": f"call_t{inp.turn}_m{inp.call_index}_{cap}",
+                    "tool_name": reply.tool_calls[cap].name,
+                    "content": f"error: refused: this reply made {len(reply.tool_calls):,} tool calls and "
+                    f"{inp.tool_call_cap or 'the cap is reached'}; this call and the "
+                    f"{len(reply.tool_calls) - cap - 1:,} after it were not run",
+                    "is_error": True,
+                    "artifact_ref": None,
                 }
             )
         await self.store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
@@ -886,8 +979,31 @@ class SessionActivities:
 
     @activity.defn(name=names.ACTIVITY_WRITE_MEMORY)
     async def write_memory(self, inp: MemoryInput) -> MemoryResult:
-        """Store a memory (or a correction). It reaches recall and corrections, never the frozen snapshot."""
+        """Store a memory (or a correction). It reaches recall and corrections, never the frozen snapshot.
+
+        Refused before anything is stored: a `corrects` naming no memory of the scope (UnknownMemory), and an
+        explicit `memory_id` the scope already holds with other content (MemoryIdTaken: memories are never
+        overwritten; write a correction instead). The same write again (a retry) succeeds.
+        """
         memory_id = inp.write.memory_id or f"{inp.session_id}:{inp.update_id}"
+        if inp.write.corrects is not None and await self.store.get_memory(inp.scope, inp.write.corrects) is None:
+            raise ApplicationError(
+                f"write_memory: corrects: no memory {inp.write.corrects!r} in scope {inp.scope!r}",
+                type="UnknownMemory",
+                non_retryable=True,
+            )
+        taken = await self.store.get_memory(inp.scope, memory_id)
+        if taken is not None and (taken["text"], taken["source_session"], taken["corrects"]) != (
+            inp.write.text,
+            inp.session_id,
+            inp.write.corrects,
+        ):
+            raise ApplicationError(
+                f"write_memory: memory_id: {memory_id!r} is taken in scope {inp.scope!r}; memories are never "
+                "overwritten: choose another id, or write a correction (corrects)",
+                type="MemoryIdTaken",
+                non_retryable=True,
+            )
         await self.store.write_memory(
             inp.scope,
             memory_id,
@@ -975,6 +1091,7 @@ class SessionActivities:
             self.record_event,
             self.write_working_state,
             self.delete_memory,
+            self.seal_turn,
         ]
 
 
@@ -989,13 +1106,30 @@ async def _heartbeating(work: Awaitable[T]) -> T:
         activity.heartbeat()
 
 
+async def _within_attempt(work: Awaitable[T]) -> T:
+    """`work`, cut off just before this attempt's start-to-close timeout: a late reply must not be stored after
+    Temporal has given up on the attempt (and the turn may have failed). A typed, retryable timeout."""
+    limit = activity.info().start_to_close_timeout
+    if limit is None:
+        return await work
+    try:
+        return await asyncio.wait_for(work, timeout=max(0.1, limit.total_seconds() - 0.25))
+    except TimeoutError:
+        raise ApplicationError(
+            f"the model did not answer within {limit.total_seconds():g} s (timeouts.model_seconds)",
+            type="ModelCallTimeout",
+        ) from None
+
+
 def _model_result(
     logged: list[HistoryItem], actual: int, cached: int, output: int, estimated: int, *, overrun: bool | None
 ) -> ModelResult:
     """The model call's result as the log holds it (the log, not this attempt's reply, is the truth)."""
     text = next((i.text for i in logged if isinstance(i, AssistantMessage)), "")
-    calls = sorted((i for i in logged if isinstance(i, ToolCall)), key=lambda c: c.seq)
+    refused = {i.call_id for i in logged if isinstance(i, ToolResult)}  # answered in the reply's own group
+    calls = sorted((i for i in logged if isinstance(i, ToolCall) and i.call_id not in refused), key=lambda c: c.seq)
     return ModelResult(
+        refused_tool_calls=len(refused),
         text=text,
         tool_calls=[
             ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments) for c in calls

@@ -157,4 +157,8 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (session_id, epoch, sha256)
     );
     """,
+    # 3: one owner per session id (docs/reliability.md): the first run id of the workflow that opened it
+    """
+    ALTER TABLE sessions ADD COLUMN IF NOT EXISTS owner text;
+    """,
 )

@@ -140,6 +140,31 @@ SQL_LATEST_CHECKPOINT = """
 SELECT checkpoint FROM checkpoints WHERE session_id = $1
 ORDER BY covers_to_seq DESC, (checkpoint->>'kind' = 'escalation') DESC, depth DESC LIMIT 1"""
 # An escalation over a summary with nothing new to cover ties on covers_to_seq: the escalation is the later one.
+SQL_INSERT_OWNED_SESSION = """
+INSERT INTO sessions (session_id, open, secret, owner) VALUES ($1, $2, $3, $4)
+ON CONFLICT (session_id) DO NOTHING"""
+SQL_SESSION_FOR_CLAIM = """
+SELECT open, secret, owner, created_at, closed_at FROM sessions WHERE session_id = $1 FOR UPDATE"""
+SQL_SESSION_OPENED = "SELECT 1 FROM prefixes WHERE session_id = $1 LIMIT 1"
+SQL_ADOPT_SESSION = "UPDATE sessions SET owner = $2 WHERE session_id = $1 AND owner IS NULL"
+SQL_REPLACE_SESSION = """
+UPDATE sessions SET open = $2, secret = $3, owner = $4, created_at = now(), closed_at = NULL, close_reason = NULL
+WHERE session_id = $1"""
+# What a run that failed before it opened may have left, removed before its id is reused.
+SQL_CLEAR_UNOPENED = tuple(
+    f"DELETE FROM {table} WHERE session_id = $1"
+    for table in (
+        "items",
+        "request_records",
+        "working_state_writes",
+        "checkpoints",
+        "compaction_plans",
+        "summarizer_calls",
+        "memory_candidates",
+        "artifacts",
+    )
+)
+SQL_GET_MEMORY = "SELECT memory_id, text, source_session, corrects FROM memories WHERE scope = $1 AND memory_id = $2"
 SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
 
@@ -225,6 +250,37 @@ class Store:
             await conn.execute(SQL_INSERT_SESSION, session_id, open_json, secret)
             row = await conn.fetchrow(SQL_GET_SESSION, session_id)
         return bytes(row["secret"])
+
+    async def claim_session(
+        self, session_id: str, open_json: dict[str, Any], secret: bytes, owner: str
+    ) -> tuple[asyncpg.Record, bool]:
+        """Claim `session_id` for the run `owner`; returns the stored row and whether `owner` holds it.
+
+        A retry of the owner's open finds its own row. A row of another run is replaced when that run never
+        opened (it failed before a prefix was stored), adopted when it predates owners and is still open, and
+        otherwise left alone: a session id names one session forever.
+        """
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(SQL_INSERT_OWNED_SESSION, session_id, open_json, secret, owner)
+            row = await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id)
+            if row["owner"] == owner:
+                return row, True
+            if (
+                row["owner"] is None
+                and row["closed_at"] is None
+                and await conn.fetchval(SQL_SESSION_OPENED, session_id)
+            ):
+                await conn.execute(SQL_ADOPT_SESSION, session_id, owner)  # a session opened before owners existed
+                return row, True
+            if await conn.fetchval(SQL_SESSION_OPENED, session_id):
+                return row, False
+            for sql in SQL_CLEAR_UNOPENED:
+                await conn.execute(sql, session_id)
+            await conn.execute(SQL_REPLACE_SESSION, session_id, open_json, secret, owner)
+            return await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id), True
+
+    async def get_memory(self, scope: str, memory_id: str) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_MEMORY, scope, memory_id)
 
     async def get_session(self, session_id: str) -> asyncpg.Record | None:
         return await self.pool.fetchrow(SQL_GET_SESSION, session_id)

@@ -146,7 +146,9 @@ def inspect(
 
 @app.command()
 def gate(
-    name: Annotated[str, typer.Argument(help="stability, trust, budget, pairs, determinism, compaction, or all.")],
+    name: Annotated[
+        str, typer.Argument(help="stability, trust, budget, pairs, determinism, compaction, chaos, inputs, or all.")
+    ],
     as_json: JsonFlag = False,
     inject_prefix_timestamp: Annotated[
         bool, typer.Option("--inject-prefix-timestamp", hidden=True, help="Test-only fault: a clock in the prefix.")

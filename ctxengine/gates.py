@@ -37,7 +37,7 @@ from core.rendering import derive_nonce, parse_envelopes, render_envelope
 from core.validation import find_orphans
 from core.working_state import WorkingStateWrite, fold
 from core.working_state import entries as ws_entries
-from ctxengine import names
+from ctxengine import gates_reliability, names
 from ctxengine.adversarial_model import AdversarialProvider
 from ctxengine.attack_corpus import ATTACKS, REAL_NONCE
 from ctxengine.contract import (
@@ -684,8 +684,10 @@ GATES: dict[str, tuple[GateFn, dict[str, Any]]] = {
     "pairs": (gate_pairs, {"wire": True}),
     "determinism": (gate_determinism, {}),
     "compaction": (gate_compaction, {"adversarial": True}),
+    "chaos": (gates_reliability.chaos_gate, {}),
+    "inputs": (gates_reliability.inputs_gate, {}),
 }
-ALL = ("stability", "trust", "budget", "pairs", "determinism")
+ALL = ("stability", "trust", "budget", "pairs", "determinism", "chaos", "inputs")
 
 
 async def run_gate(

@@ -20,6 +20,7 @@ ACTIVITY_COMPACTION_ESCALATE = "compaction.escalate"
 ACTIVITY_MEMORY_FORM = "memory.form"
 ACTIVITY_WORKING_STATE_WRITE = "working_state.write"
 ACTIVITY_DELETE_MEMORY = "memory.delete"
+ACTIVITY_SEAL_TURN = "context.seal_turn"  # a failed turn's unanswered tool calls get error results
 
 UPDATE_SUBMIT_TURN = "submit_turn"
 UPDATE_REVOKE_TOOL = "revoke_tool"

@@ -26,7 +26,9 @@ class ChildRunWorkflow:
     @workflow.run
     async def run(self, inp: ChildRunInput) -> ChildRunResult:
         runner = TurnRunner(inp.open, self.state, escalate=None)
-        result = await runner.run(inp.turn, user_item_id=inp.user_item_id, first_call=inp.call_index)
+        result = await runner.run(
+            inp.turn, text=inp.text, update_id=inp.update_id, user_item_id=inp.user_item_id, first_call=inp.call_index
+        )
         return ChildRunResult(result=result, state=self.state)
 
     @workflow.signal(name=names.UPDATE_REVOKE_TOOL)

@@ -18,7 +18,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
-    from ctxengine import names
+    from ctxengine import bounds, names, retries
     from ctxengine.contract import (
         ChildRunInput,
         ChildRunResult,
@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         OpenResult,
         RevokeTool,
         RotateEpoch,
+        SealTurnInput,
         SessionOpen,
         SessionState,
         TurnInput,
@@ -55,6 +56,10 @@ SA_TURNS_EVERY = 10
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
+# Patches (docs/reliability.md): new commands on existing paths, so recorded histories still replay.
+PATCH_FAILED_TURN = "failed-turn-sealed"
+PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
+PATCH_CLOSE_ONCE = "close-once"
 
 
 def _update_failure(exc: ActivityError) -> ApplicationError:
@@ -117,6 +122,8 @@ class SessionWorkflow:
         limit = self.open.continue_as_new_after_turns
         if limit is not None and self.state.turns - self.turns_at_start >= limit:
             return True
+        if workflow.info().get_current_history_length() >= bounds.HISTORY_CONTINUE_AS_NEW:
+            return True  # our own bound, whatever the server's suggestion threshold (ctxengine/bounds.py)
         return workflow.info().is_continue_as_new_suggested()
 
     # ------------------------------------------------------------ query
@@ -135,7 +142,12 @@ class SessionWorkflow:
             if self.state.status != "open":
                 raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
             self.state.turns += 1
-            result = await self._turn(self.state.turns, turn.text, update_id)
+            try:
+                result = await self._turn(self.state.turns, turn.text, update_id)
+            except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
+                if not workflow.patched(PATCH_FAILED_TURN):
+                    raise
+                raise await self._turn_failed(self.state.turns, exc) from exc
             self._remember(update_id, result)
             self._publish()
             return result
@@ -143,20 +155,77 @@ class SessionWorkflow:
     @submit_turn.validator
     def _validate_turn(self, turn: TurnInput) -> None:
         self._validate_open()
+        self._validate_room()
         if not turn.text.strip():
             raise ValueError("submit_turn: text must not be blank")
 
     async def _turn(self, turn: int, text: str, update_id: str) -> TurnResult:
+        if workflow.info().get_current_history_length() >= bounds.HISTORY_TURN_IN_CHILD and workflow.patched(
+            PATCH_TURN_IN_CHILD
+        ):
+            return await self._turn_in_child(turn, text, update_id)
         runner = TurnRunner(self.open, self.state, escalate=self._escalate)
         try:
             return await runner.run(turn, text=text, update_id=update_id)
         except (ActivityError, ChildWorkflowError) as exc:
             raise _typed(exc, "TurnTooLarge") from exc
 
+    async def _turn_in_child(self, turn: int, text: str, update_id: str) -> TurnResult:
+        """A turn of a long run, in a ChildRunWorkflow: its events go to a fresh history (ctxengine/bounds.py)."""
+        self.child = await workflow.start_child_workflow(
+            ChildRunWorkflow.run,
+            ChildRunInput(
+                open=self.open,
+                state=self.state,
+                turn=turn,
+                user_item_id=None,
+                call_index=0,
+                text=text,
+                update_id=update_id,
+            ),
+            id=f"{self.state.session_id}/turn-run/{turn}",
+            static_summary=f"turn {turn} of session {self.state.session_id}, in a child run (long history)",
+            task_timeout=workflow.info().task_timeout,
+        )
+        try:
+            done: ChildRunResult = await self.child
+        finally:
+            self.child = None
+        done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
+        self.state = done.state
+        return done.result
+
+    async def _turn_failed(self, turn: int, exc: BaseException) -> ApplicationError:
+        """A failed turn fails its update, typed, not the session: its unanswered tool calls get error results
+        (so every later request stays valid) and the turn lock is released by the caller's `async with`."""
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ApplicationError):
+            cause = cause.__cause__
+        type_ = cause.type if isinstance(cause, ApplicationError) and cause.type else retries.TURN_FAILED
+        message = cause.message if isinstance(cause, ApplicationError) else str(exc)
+        try:
+            await workflow.execute_activity(
+                names.ACTIVITY_SEAL_TURN,
+                SealTurnInput(
+                    session_id=self.state.session_id,
+                    turn=turn,
+                    epoch=self.state.epoch,
+                    reason=f"{type_}: {message}"[:300],
+                ),
+                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
+                retry_policy=RETRY,
+                summary=f"seal failed turn {turn}",
+            )
+        except ActivityError:
+            pass  # the next turn's build seals it (activities/context.py `_seal_orphans`)
+        self._publish()
+        return ApplicationError(f"turn {turn} failed: {message}", type=type_, non_retryable=True)
+
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
         number = self.state.metrics.escalations
-        sent = dict(self.state.revoked_tools)  # what the child's input carries
+        sent = (dict(self.state.revoked_tools), list(self.state.granted_tools))  # what the child's input carries
         self.child = await workflow.start_child_workflow(
             ChildRunWorkflow.run,
             ChildRunInput(
@@ -164,12 +233,16 @@ class SessionWorkflow:
             ),
             id=f"{self.state.session_id}/child-run/{number}",
             static_summary=f"child run {number} of session {self.state.session_id} (turn {turn})",
+            task_timeout=workflow.info().task_timeout,  # the caller's failover choice (docs/reliability.md)
         )
-        # A revocation that arrived while the child was starting found no child to forward to, and the
+        # A revocation or grant that arrived while the child was starting found no child to forward to, and the
         # child's input predates it: forward it now (a second delivery of one is harmless).
         for name, reason in self.state.revoked_tools.items():
-            if name not in sent:
+            if name not in sent[0]:
                 await self.child.signal(ChildRunWorkflow.revoke_tool, RevokeTool(name=name, reason=reason))
+        for name in self.state.granted_tools:
+            if name not in self.state.revoked_tools and (name not in sent[1] or name in sent[0]):
+                await self.child.signal(ChildRunWorkflow.grant_tool, GrantTool(name=name))
         try:
             done: ChildRunResult = await self.child
         finally:
@@ -336,6 +409,7 @@ class SessionWorkflow:
                     },
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"epoch {old} -> {new}: {req.reason}",
             )
@@ -357,6 +431,15 @@ class SessionWorkflow:
     async def write_memory(self, req: WriteMemory) -> MemoryResult:
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
+        try:
+            return await self._write_memory(req, update_id)
+        except ActivityError as exc:  # the update fails with the activity's typed refusal (MemoryIdTaken, ...)
+            cause = exc.cause if isinstance(exc.cause, ApplicationError) else None
+            if cause is None:
+                raise
+            raise ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True) from exc
+
+    async def _write_memory(self, req: WriteMemory, update_id: str) -> MemoryResult:
         result: MemoryResult = await workflow.execute_activity(
             names.ACTIVITY_WRITE_MEMORY,
             MemoryInput(
@@ -369,6 +452,7 @@ class SessionWorkflow:
             ),
             result_type=MemoryResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary="write memory" + (f" correcting {req.corrects}" if req.corrects else ""),
         )
@@ -377,12 +461,16 @@ class SessionWorkflow:
     @write_memory.validator
     def _validate_memory(self, req: WriteMemory) -> None:
         self._validate_open()
+        self._validate_room()
         if not req.text.strip():
             raise ValueError("write_memory: text must not be blank")
 
     @workflow.update(name=names.UPDATE_CLOSE_SESSION)
     async def close_session(self, req: CloseSession) -> SessionState:
         await workflow.wait_condition(lambda: self.ready)
+        # Two closes accepted in one workflow task both pass the validator: only the first closes.
+        if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
+            raise ApplicationError("close_session: the session is already closing", type="SessionClosed")
         self.closing = True
         async with self.lock:
             # Established facts become memory candidates at the session boundary (ADR-0020 decision 15).
@@ -396,6 +484,7 @@ class SessionWorkflow:
                 ),
                 result_type=FormationResult,
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="memory formation",
             )
@@ -408,6 +497,7 @@ class SessionWorkflow:
                     epoch=self.state.epoch,
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="close session",
             )
@@ -429,6 +519,11 @@ class SessionWorkflow:
         if self.state.status == "failed":
             raise ApplicationError("the session failed to open", type="SessionNotOpen")
 
+    def _validate_room(self) -> None:
+        """Refused while the run's history is long and waits to continue as new (ctxengine/bounds.py)."""
+        if workflow.info().get_current_history_length() >= bounds.HISTORY_ADMIT_LIMIT:
+            raise ValueError("the session is continuing as new (its history is long); retry in a few seconds")
+
     # ------------------------------------------------------------ helpers
     async def _open(
         self, *, epoch: int, reason: str, revoked: list[str] | None = None, open_: SessionOpen | None = None
@@ -441,9 +536,11 @@ class SessionWorkflow:
                 epoch=epoch,
                 reason=reason,
                 revoked=revoked or [],
+                owner=workflow.info().first_execution_run_id,
             ),
             result_type=OpenResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"open epoch {epoch} ({reason})",
         )
