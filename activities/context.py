@@ -27,59 +27,71 @@ from activities.provider import ModelProvider, ProviderRequest, ProviderSegment
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS, Executor
+from activities.wire import WirePrefix
 from contract import names
 from contract.events import EventType
 from contract.payloads import (
     BuildInput,
     BuildResult,
     CloseInput,
+    DeleteMemoryInput,
     EventInput,
+    MemoryDeleted,
     MemoryInput,
     MemoryResult,
     ModelInput,
     ModelResult,
     OpenInput,
     OpenResult,
+    SealTurnInput,
     SessionOpen,
     ToolCallRequest,
     ToolInput,
     ToolResultSummary,
+    WorkingStateInput,
+    WorkingStateResult,
 )
+from core.budget import ContextBudget
 from core.build import (
     BodyInputs,
     FrozenPrefix,
-    PrefixInputs,
     RenderCache,
     build,
     counter_key,
     measure_working_state,
     open_prefix,
+    operator_tool,
+    region_a_inputs,
 )
 from core.compaction import Checkpoint
-from core.errors import ContextError, PrefixOverflowError, ToolTrustCeilingError
+from core.errors import (
+    ContextError,
+    PrefixOverflowError,
+    RouteDoesNotFitError,
+    ToolTrustCeilingError,
+    TurnTooLargeError,
+)
 from core.estimator import ModelProfile, TokenEstimator, reconcile
-from core.explain import first_difference
+from core.explain import first_difference, first_wire_difference
 from core.items import (
     AssistantMessage,
     HistoryItem,
     MemorySnapshotEntry,
     ToolCall,
-    ToolDefinition,
     ToolResult,
     TrustLevel,
+    UserMessage,
     parse_history_item,
 )
 from core.plan import ContextPlan, Segment
 from core.policy import result_trust
 from core.rendering import ESCAPING_FINGERPRINT, escape_content
 from core.working_state import (
-    CONTROL_TOOL_DESCRIPTION,
     CONTROL_TOOL_NAME,
     WorkingState,
     WorkingStateUpdate,
     WorkingStateWrite,
     apply,
-    control_tool_schema,
     fold,
     holds_tainted,
     render,
@@ -90,6 +102,8 @@ T = TypeVar("T")
 # Untrusted results longer than this (characters) also go to an artifact, so a pointer can always resolve to
 # the original bytes. 0: every untrusted result does.
 ARTIFACT_THRESHOLD = 0
+# A rotation to another route must leave room for a message of this many tokens beside the minimum body.
+ROUTE_CHECK_MESSAGE_TOKENS = 256
 
 
 class _SessionCache:
@@ -174,6 +188,12 @@ class SessionActivities:
         """Whether a reply to the request planned as `plan` is tainted: untrusted content was in its view."""
         return bool(plan.get("untrusted_in_view", False))
 
+    def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
+        """Whether a control-tool write is tainted: its call was, or untrusted content entered the turn's log
+        before it (a write in the same reply as the fetch counts)."""
+        in_turn = f"t{turn}."
+        return call_tainted or any(i.taints_view() for i in items if i.id.startswith(in_turn))
+
     def counter(self, encoding: str) -> TiktokenCounter:
         if encoding not in self._counters:
             self._counters[encoding] = TiktokenCounter(encoding)
@@ -218,7 +238,12 @@ class SessionActivities:
 
     async def _profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
-        return base.model_copy(update={"calibration": learned}) if learned else base
+        if learned:
+            return base.model_copy(update={"calibration": learned})
+        # A route not seen yet starts conservatively: its published ratio or the highest any route of its
+        # provider holds, whichever is higher; never optimistically (it learns downwards from usage).
+        highest = await self.store.provider_calibration(base.provider)
+        return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
 
     async def _event(
         self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
@@ -234,7 +259,10 @@ class SessionActivities:
     @activity.defn(name=names.ACTIVITY_OPEN)
     async def open_session(self, inp: OpenInput) -> OpenResult:
         """Pin the tool set and memory snapshot, measure the prefix exactly, store it for the epoch."""
-        secret = await self.store.create_session(inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32))
+        if inp.owner is None:  # scheduled by a run that predates session owners
+            secret = await self.store.create_session(inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32))
+        else:
+            secret = await self._claim(inp)
         existing = await self.store.get_prefix(inp.session_id, inp.epoch)
         if existing is not None:  # a retry, or a rotation replayed: the stored prefix is the truth
             prefix = FrozenPrefix.model_validate(existing["prefix"])
@@ -256,25 +284,21 @@ class SessionActivities:
                 non_retryable=True,
             ) from exc
         profile = await self._profile(inp.open.model_route.profile())
-        tools = [
-            ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
-            for t in inp.open.tools
-            if t.name not in inp.revoked
-        ]
-        tools.append(
-            ToolDefinition(
-                id=f"tool.{CONTROL_TOOL_NAME}",
-                name=CONTROL_TOOL_NAME,
-                description=CONTROL_TOOL_DESCRIPTION,
-                input_schema=control_tool_schema(),
+        if profile.provider not in self.providers:  # refused at open, not at every later turn
+            raise ApplicationError(
+                f"model_route.provider: {profile.provider!r} is not configured on this worker",
+                type="ProviderNotConfigured",
+                non_retryable=True,
             )
-        )
+        tools = [
+            operator_tool(t.name, t.description, t.input_schema) for t in inp.open.tools if t.name not in inp.revoked
+        ]
         snapshot = [
             MemorySnapshotEntry(id=f"memory.{r['memory_id']}", memory_id=r["memory_id"], text=r["text"])
             for r in await self.store.snapshot_memories(inp.open.memory_scope, budget.memory_snapshot_max_items)
         ]
         estimator = TokenEstimator(profile, self.counter(profile.encoding))
-        prefix_inputs = PrefixInputs(
+        prefix_inputs = region_a_inputs(
             epoch=inp.epoch,
             platform_policy=inp.open.platform_policy,
             agent_instructions=inp.open.agent_instructions,
@@ -282,12 +306,18 @@ class SessionActivities:
             memory_snapshot=snapshot,
         )
         try:
-            prefix = open_prefix(
-                prefix_inputs,
-                budget=budget,
-                estimator=estimator,
-                secret=secret,
-            )
+            while True:
+                try:
+                    prefix = open_prefix(prefix_inputs, budget=budget, estimator=estimator, secret=secret)
+                    break
+                except PrefixOverflowError as exc:
+                    # The snapshot is a selection from the scope's memories, not caller input: a scope holding
+                    # more than the cap takes fewer entries (oldest first) instead of refusing every new session.
+                    if exc.budget_class != "memory_snapshot" or not prefix_inputs.memory_snapshot:
+                        raise
+                    prefix_inputs = prefix_inputs.model_copy(
+                        update={"memory_snapshot": prefix_inputs.memory_snapshot[:-1]}
+                    )
         except PrefixOverflowError as exc:
             await self._event(
                 inp.session_id,
@@ -305,6 +335,8 @@ class SessionActivities:
             ) from exc
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
+        if inp.epoch > 1:
+            await self._check_route_fits(inp, prefix, estimator, budget, secret)
         await self.store.put_prefix(
             inp.session_id,
             inp.epoch,
@@ -335,6 +367,63 @@ class SessionActivities:
             search_attributes=self.search_attributes,
         )
 
+    async def _claim(self, inp: OpenInput) -> bytes:
+        """One owner per session id: refuse an id whose session opened before (SessionIdTaken)."""
+        assert inp.owner is not None
+        row, owned = await self.store.claim_session(
+            inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32), inp.owner
+        )
+        if not owned:
+            opened = row["created_at"].isoformat(timespec="seconds")
+            closed = row["closed_at"].isoformat(timespec="seconds") if row["closed_at"] else None
+            raise ApplicationError(
+                f"session id {inp.session_id!r} is taken: its session opened at {opened} and "
+                + (f"closed at {closed}" if closed else "was never closed")
+                + "; a session id names one session forever, start with a new id",
+                {"session_id": inp.session_id, "opened_at": opened, "closed_at": closed},
+                type="SessionIdTaken",
+                non_retryable=True,
+            )
+        self._sessions.pop(inp.session_id, None)  # a replaced unopened session: nothing cached survives
+        return bytes(row["secret"])
+
+    async def _seal_orphans(self, session_id: str, upto_turn: int, reason: str) -> int:
+        """Give every tool call of turns <= `upto_turn` that has no result an error result, so no later
+        request carries half a pair (a failed turn, or a model reply a timed-out attempt stored late)."""
+        _, _, cache = await self._session(session_id)
+        items = await self._items(session_id, cache)
+        answered = {i.call_id for i in items if isinstance(i, ToolResult)}
+        unanswered = [i for i in items if isinstance(i, ToolCall) and i.call_id not in answered]
+        if not unanswered:
+            return 0
+        rows = {r["payload"]["id"]: r["turn"] for r in await self.store.load_items(session_id)}
+        orphans = [i for i in unanswered if rows.get(i.id, 0) <= upto_turn]
+        for call in orphans:
+            await self.store.append_items(
+                session_id,
+                rows[call.id],
+                [
+                    {
+                        "id": f"{call.id}.result",
+                        "kind": "tool_result",
+                        "trust": TrustLevel.TOOL.value,
+                        "call_id": call.call_id,
+                        "tool_name": call.tool_name,
+                        "content": f"error: not run: {reason}",
+                        "is_error": True,
+                        "artifact_ref": None,
+                    }
+                ],
+            )
+        if orphans:
+            log.warning("turn.sealed", session_id=session_id, turn=upto_turn, calls=len(orphans), reason=reason)
+        return len(orphans)
+
+    @activity.defn(name=names.ACTIVITY_SEAL_TURN)
+    async def seal_turn(self, inp: SealTurnInput) -> int:
+        """A failed turn: its unanswered tool calls get error results (the pair stays atomic)."""
+        return await self._seal_orphans(inp.session_id, inp.turn, f"turn {inp.turn} failed ({inp.reason})")
+
     @activity.defn(name=names.ACTIVITY_BUILD)
     async def build_context(self, inp: BuildInput) -> BuildResult:
         """Append the user message (once), load inputs by reference, build, store the request, return a summary."""
@@ -342,7 +431,9 @@ class SessionActivities:
         open_, secret, cache = await self._session(inp.session_id)
         user_item_id = inp.user_item_id
         if inp.user_text is not None:
+            await self._seal_orphans(inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran")
             user_item_id = f"u:{inp.update_id or inp.turn}"
+            await self._check_turn_fits(inp, open_, secret, cache, user_item_id)
             await self.store.append_items(
                 inp.session_id,
                 inp.turn,
@@ -419,6 +510,76 @@ class SessionActivities:
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
         return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
 
+    async def _check_route_fits(
+        self, inp: OpenInput, prefix: FrozenPrefix, estimator: TokenEstimator, budget: ContextBudget, secret: bytes
+    ) -> None:
+        """A rotation to another model route: the minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the
+        working state, corrections, the clock) must fit under the new route's estimate, or it is refused."""
+        previous = await self.store.get_prefix(inp.session_id, inp.epoch - 1)
+        if previous is None or ModelProfile.model_validate(previous["profile"]).route == estimator.profile.route:
+            return
+        writes = await self.store.working_state_writes(inp.session_id)
+        ws = self._working_state(writes, estimator.counter.count, 10**9)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        corrections = await self.store.corrections(inp.open.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=0,
+            call_index=0,
+            max_seq=0,
+            user_item_id="u:route-check",
+            checkpoint_id=None,
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in corrections
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso="2000-01-01T00:00:00+00:00",
+            profile=estimator.profile,
+            budget=budget,
+        )
+        message = UserMessage(id="u:route-check", seq=0, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+        try:
+            build(prefix, body_inputs([message], None, ri), budget=budget, estimator=estimator, secret=secret)
+        except TurnTooLargeError as exc:
+            refused = RouteDoesNotFitError(
+                estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
+            )
+            raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
+
+    async def _check_turn_fits(
+        self, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: _SessionCache, user_item_id: str
+    ) -> None:
+        """Before the user message is logged: its minimum body (message, working state, corrections, clock)
+        must fit beside the prefix, or the turn fails alone with TurnTooLarge and nothing is appended."""
+        assert inp.user_text is not None
+        prefix, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+        estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
+        writes = await self.store.working_state_writes(inp.session_id)
+        ws = self._working_state(writes, estimator.counter.count, inp.turn + 1)
+        snapshot_ids = [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+        correction_rows = await self.store.corrections(open_.memory_scope, snapshot_ids)
+        ri = RequestInputs(
+            turn=inp.turn,
+            call_index=0,
+            max_seq=0,
+            user_item_id=user_item_id,
+            checkpoint_id=None,
+            corrections=[
+                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                for r in correction_rows
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            now_iso=inp.now_iso,
+            profile=estimator.profile,
+            budget=open_.context_budget(estimator.profile),
+        )
+        message = UserMessage(id=user_item_id, seq=0, text=inp.user_text, trust=TrustLevel.USER)
+        body = body_inputs([message], None, ri)
+        try:
+            build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)
+        except TurnTooLargeError as exc:
+            raise _turn_too_large(exc, logged=False) from exc
+
     async def _plan(
         self,
         inp: BuildInput,
@@ -461,6 +622,8 @@ class SessionActivities:
             plan = build(
                 prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
             )
+        except TurnTooLargeError as exc:
+            raise _turn_too_large(exc, logged=True) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body
@@ -517,7 +680,9 @@ class SessionActivities:
             estimated_tokens=record["estimated_tokens"],
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
-        reply = await _heartbeating(provider.complete(request))
+        reply = await _heartbeating(_within_attempt(provider.complete(request)))
+        if reply.wire_prefix is not None:
+            await self._record_wire_prefix(inp, reply.wire_prefix)
         # Usage first (the first attempt's figures win), then the reply's items, all or none of them.
         await self.store.record_usage(
             inp.session_id,
@@ -540,7 +705,8 @@ class SessionActivities:
                     "text": reply.text,
                 }
             )
-        for j, call in enumerate(reply.tool_calls):
+        cap = len(reply.tool_calls) if inp.max_tool_calls is None else inp.max_tool_calls
+        for j, call in enumerate(reply.tool_calls[: cap + 1]):
             new_items.append(
                 {
                     "id": f"{base}call{j}",
@@ -552,6 +718,24 @@ class SessionActivities:
                     "call_id": f"call_t{inp.turn}_m{inp.call_index}_{j}",
                     "tool_name": call.name,
                     "arguments": call.arguments,
+                }
+            )
+        if len(reply.tool_calls) > cap:
+            # Past the cap: the next call is logged with its refusal (one pair the model sees); the rest are not
+            # logged at all, so a reply of 10,000 calls costs the log two items, not 20,000.
+            new_items.append(
+                {
+                    "id": f"{base}call{cap}.result",
+                    "kind": "tool_result",
+                    "trust": TrustLevel.TOOL.value,
+                    "tainted": tainted,  # a result inherits its call's taint
+                    "call_id": f"call_t{inp.turn}_m{inp.call_index}_{cap}",
+                    "tool_name": reply.tool_calls[cap].name,
+                    "content": f"error: refused: this reply made {len(reply.tool_calls):,} tool calls and "
+                    f"{inp.tool_call_cap or 'the cap is reached'}; this call and the "
+                    f"{len(reply.tool_calls) - cap - 1:,} after it were not run",
+                    "is_error": True,
+                    "artifact_ref": None,
                 }
             )
         await self.store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
@@ -587,6 +771,29 @@ class SessionActivities:
             record["estimated_tokens"],
             overrun=rec.overrun,
         )
+
+    async def _record_wire_prefix(self, inp: ModelInput, wire: WirePrefix) -> None:
+        """Store the request's wire prefix hash; a second distinct one in the epoch is the prefix defect
+        (`context.prefix.violation`), explained at the first differing byte of what was sent."""
+        distinct = await self.store.record_wire_prefix(
+            inp.session_id, inp.turn, inp.call_index, epoch=inp.epoch, sha256=wire.sha256, text=wire.text
+        )
+        if len(distinct) > 1 and wire.sha256 != distinct[0]["sha256"]:
+            diff = first_wire_difference(distinct[0]["text"], wire.text)
+            await self._event(
+                inp.session_id,
+                f"violation:{inp.epoch}:wire:{wire.sha256}",
+                EventType.PREFIX_VIOLATION,
+                inp.turn,
+                inp.epoch,
+                {
+                    "observer": "wire",
+                    "expected": distinct[0]["sha256"],
+                    "got": wire.sha256,
+                    "distinct_in_epoch": len(distinct),
+                    "first_difference": diff.model_dump() if diff else None,
+                },
+            )
 
     @activity.defn(name=names.ACTIVITY_TOOL)
     async def execute_tool(self, inp: ToolInput) -> ToolResultSummary:
@@ -634,9 +841,7 @@ class SessionActivities:
         if inp.call.name == CONTROL_TOOL_NAME:
             # Anything the model writes in a turn with untrusted content in view is tainted, even a write made
             # in the same reply as the fetch that brought the content in (docs/trust.md).
-            in_turn = f"t{inp.turn}."
-            turn_tainted = any(i.taints_view() for i in items if i.id.startswith(in_turn))
-            return await self._update_working_state(inp, tainted=tainted or turn_tainted)
+            return await self._update_working_state(inp, tainted=self.write_tainted(tainted, items, inp.turn))
         spec = next((t for t in open_.tools if t.name == inp.call.name), None)
         if spec is None:
             return (
@@ -755,8 +960,31 @@ class SessionActivities:
 
     @activity.defn(name=names.ACTIVITY_WRITE_MEMORY)
     async def write_memory(self, inp: MemoryInput) -> MemoryResult:
-        """Store a memory (or a correction). It reaches recall and corrections, never the frozen snapshot."""
+        """Store a memory (or a correction). It reaches recall and corrections, never the frozen snapshot.
+
+        Refused before anything is stored: a `corrects` naming no memory of the scope (UnknownMemory), and an
+        explicit `memory_id` the scope already holds with other content (MemoryIdTaken: memories are never
+        overwritten; write a correction instead). The same write again (a retry) succeeds.
+        """
         memory_id = inp.write.memory_id or f"{inp.session_id}:{inp.update_id}"
+        if inp.write.corrects is not None and await self.store.get_memory(inp.scope, inp.write.corrects) is None:
+            raise ApplicationError(
+                f"write_memory: corrects: no memory {inp.write.corrects!r} in scope {inp.scope!r}",
+                type="UnknownMemory",
+                non_retryable=True,
+            )
+        taken = await self.store.get_memory(inp.scope, memory_id)
+        if taken is not None and (taken["text"], taken["source_session"], taken["corrects"]) != (
+            inp.write.text,
+            inp.session_id,
+            inp.write.corrects,
+        ):
+            raise ApplicationError(
+                f"write_memory: memory_id: {memory_id!r} is taken in scope {inp.scope!r}; memories are never "
+                "overwritten: choose another id, or write a correction (corrects)",
+                type="MemoryIdTaken",
+                non_retryable=True,
+            )
         await self.store.write_memory(
             inp.scope,
             memory_id,
@@ -769,6 +997,59 @@ class SessionActivities:
         prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
         snapshot_ids = {s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"}
         return MemoryResult(memory_id=memory_id, correction_of_snapshot=inp.write.corrects in snapshot_ids)
+
+    @activity.defn(name=names.ACTIVITY_DELETE_MEMORY)
+    async def delete_memory(self, inp: DeleteMemoryInput) -> MemoryDeleted:
+        """Delete a memory from the store (and so from recall and later snapshots); a snapshot holding it gets
+        a correction line that withdraws it until the session's next epoch."""
+        memory_id = inp.delete.memory_id
+        deleted = await self.store.delete_memory(inp.scope, memory_id, reason=inp.delete.reason)
+        _, _, cache = await self._session(inp.session_id)
+        prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
+        in_snapshot = any(s.kind == "memory_snapshot" and s.item_id == f"memory.{memory_id}" for s in prefix.segments)
+        log.info("memory.deleted", session_id=inp.session_id, turn=inp.turn, epoch=inp.epoch, memory_id=memory_id)
+        return MemoryDeleted(memory_id=memory_id, deleted=deleted, in_snapshot=in_snapshot)
+
+    @activity.defn(name=names.ACTIVITY_WORKING_STATE_WRITE)
+    async def write_working_state(self, inp: WorkingStateInput) -> WorkingStateResult:
+        """A runtime write (ADR-0020 decision 14): all operations or none, logged once per update id, seen from
+        the next request on. Over a cap or naming an unknown id, it fails (non-retryable) and changes nothing."""
+        key = f"runtime:{inp.update_id}"
+        if not await self.store.has_working_state_write(inp.session_id, key):
+            open_, secret, cache = await self._session(inp.session_id)
+            _, profile = await self._prefix(inp.session_id, inp.epoch, cache)
+            estimator = TokenEstimator(await self._profile(profile), self.counter(profile.encoding))
+            state = self._working_state(
+                await self.store.working_state_writes(inp.session_id), estimator.counter.count, inp.turn + 1
+            )
+
+            def attempt(update: WorkingStateUpdate) -> None:
+                apply(
+                    state,
+                    update,
+                    writer="runtime",
+                    count=lambda text: measure_working_state(text, estimator=estimator, secret=secret),
+                    token_cap=open_.context_budget(profile).working_state_tokens,
+                )
+
+            try:
+                attempt(inp.update)
+            except ContextError as exc:
+                message = f"update_working_state: {_failing_operation(inp.update, attempt)}: {exc}"
+                await self._event(
+                    inp.session_id,
+                    f"ws_rejected:{key}",
+                    EventType.WORKING_STATE_REJECTED,
+                    inp.turn,
+                    inp.epoch,
+                    {"error": message, "writer": "runtime"},
+                )
+                raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
+            write = WorkingStateWrite(turn=inp.turn, writer="runtime", update=inp.update)
+            await self.store.add_working_state_write(inp.session_id, key, inp.turn, write.model_dump(mode="json"))
+        writes = await self.store.working_state_writes(inp.session_id)
+        state = self._working_state(writes, self.counter("cl100k_base").count, inp.turn + 1)
+        return WorkingStateResult(turn=inp.turn, working_state=render(state))
 
     @activity.defn(name=names.ACTIVITY_CLOSE)
     async def close_session(self, inp: CloseInput) -> None:
@@ -789,6 +1070,9 @@ class SessionActivities:
             self.write_memory,
             self.close_session,
             self.record_event,
+            self.write_working_state,
+            self.delete_memory,
+            self.seal_turn,
         ]
 
 
@@ -803,13 +1087,30 @@ async def _heartbeating(work: Awaitable[T]) -> T:
         activity.heartbeat()
 
 
+async def _within_attempt(work: Awaitable[T]) -> T:
+    """`work`, cut off just before this attempt's start-to-close timeout: a late reply must not be stored after
+    Temporal has given up on the attempt (and the turn may have failed). A typed, retryable timeout."""
+    limit = activity.info().start_to_close_timeout
+    if limit is None:
+        return await work
+    try:
+        return await asyncio.wait_for(work, timeout=max(0.1, limit.total_seconds() - 0.25))
+    except TimeoutError:
+        raise ApplicationError(
+            f"the model did not answer within {limit.total_seconds():g} s (timeouts.model_seconds)",
+            type="ModelCallTimeout",
+        ) from None
+
+
 def _model_result(
     logged: list[HistoryItem], actual: int, cached: int, output: int, estimated: int, *, overrun: bool | None
 ) -> ModelResult:
     """The model call's result as the log holds it (the log, not this attempt's reply, is the truth)."""
     text = next((i.text for i in logged if isinstance(i, AssistantMessage)), "")
-    calls = sorted((i for i in logged if isinstance(i, ToolCall)), key=lambda c: c.seq)
+    refused = {i.call_id for i in logged if isinstance(i, ToolResult)}  # answered in the reply's own group
+    calls = sorted((i for i in logged if isinstance(i, ToolCall) and i.call_id not in refused), key=lambda c: c.seq)
     return ModelResult(
+        refused_tool_calls=len(refused),
         text=text,
         tool_calls=[
             ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments) for c in calls
@@ -820,6 +1121,23 @@ def _model_result(
         estimated_tokens=estimated,
         overrun=estimated < actual if overrun is None else overrun,
     )
+
+
+def _failing_operation(update: WorkingStateUpdate, attempt: Any) -> str:
+    """Names the first operation whose application (with those before it) fails: `operations[2] (add_constraint)`."""
+    ops = update.operations
+    for i in range(len(ops)):
+        try:
+            attempt(WorkingStateUpdate(operations=ops[: i + 1]))
+        except ContextError:
+            return f"operations[{i}] ({ops[i].op})"
+    return "operations"
+
+
+def _turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:
+    """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details. `logged`:
+    whether the turn's message was already in the log (its tool calls' results did not fit as pointers)."""
+    return ApplicationError(str(exc), {**exc.details(), "logged": logged}, type="TurnTooLarge", non_retryable=True)
 
 
 def _tool_names(prefix: FrozenPrefix) -> list[str]:

@@ -143,4 +143,22 @@ MIGRATIONS: tuple[str, ...] = (
         updated_at timestamptz NOT NULL DEFAULT now()
     );
     """,
+    # 2: the cacheable prefix as the adapters sent it (activities/wire.py): its hash per request, and each
+    # distinct wire prefix of an epoch once, for the cache-break explainer
+    """
+    ALTER TABLE request_records ADD COLUMN IF NOT EXISTS wire_prefix_sha256 text;
+    CREATE TABLE IF NOT EXISTS wire_prefixes (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        epoch integer NOT NULL,
+        sha256 text NOT NULL,
+        text text NOT NULL,
+        first_turn integer NOT NULL,
+        position bigserial,
+        PRIMARY KEY (session_id, epoch, sha256)
+    );
+    """,
+    # 3: one owner per session id (docs/reliability.md): the first run id of the workflow that opened it
+    """
+    ALTER TABLE sessions ADD COLUMN IF NOT EXISTS owner text;
+    """,
 )

@@ -16,6 +16,7 @@ tool specs, error mapping, the unconfigured stand-in). See docs/providers.md.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import re
@@ -36,6 +37,7 @@ from activities.provider import (
     SummaryRequest,
 )
 from activities.tokens import TiktokenCounter
+from activities.wire import wire_prefix
 from contract.settings import settings
 from core.rendering import parse_envelopes
 
@@ -491,10 +493,25 @@ class OpenAIProvider:
             request_id=exc.request_id,
         )
 
+    async def _create_raw(self, kwargs: dict[str, Any], request: ProviderRequest) -> tuple[Any, bytes]:
+        """Like `_create`, and the request body's bytes exactly as sent (for the wire hash)."""
+        openai = self._openai
+        try:
+            raw = await self.client.chat.completions.with_raw_response.create(**kwargs)
+        except openai.APIStatusError as exc:
+            raise self._status_error(exc, request, request.model) from exc
+        except openai.APITimeoutError as exc:
+            raise connection_error(self.name, exc, timeout=True) from exc
+        except openai.APIConnectionError as exc:
+            raise connection_error(self.name, exc, timeout=False) from exc
+        parsed = raw.parse()
+        return (await parsed if inspect.isawaitable(parsed) else parsed), bytes(raw.http_request.content)
+
     async def complete(self, request: ProviderRequest) -> ProviderReply:
         kwargs, names = render_chat_request(request)
-        completion = await self._create(kwargs, request, request.model)
-        return read_completion(completion, names, fallback_input_tokens=self._count(kwargs))
+        completion, sent = await self._create_raw(kwargs, request)
+        reply = read_completion(completion, names, fallback_input_tokens=self._count(kwargs))
+        return reply.model_copy(update={"wire_prefix": wire_prefix(sent, "openai")})
 
     async def summarize(self, request: SummaryRequest) -> ProviderReply:
         kwargs = {

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, Field
 
 from activities.tokens import TiktokenCounter
+from activities.wire import WirePrefix
 from core.rendering import FRAMING_TEXT, EnvelopeParseError, parse_envelopes
 
 
@@ -61,6 +62,9 @@ class ProviderReply(BaseModel):
     text: str
     tool_calls: list[ProviderToolCall] = Field(default_factory=list)
     usage: ProviderUsage
+    # The cacheable prefix exactly as the adapter sent it (activities/wire.py); None for the scripted model,
+    # which has no wire.
+    wire_prefix: WirePrefix | None = None
 
 
 class SummaryRequest(BaseModel):

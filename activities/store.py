@@ -87,6 +87,14 @@ SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn
 SQL_RECORD_USAGE = """
 UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
 WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL"""
+SQL_RECORD_WIRE = """
+UPDATE request_records SET wire_prefix_sha256 = $4
+WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND wire_prefix_sha256 IS NULL"""
+SQL_PUT_WIRE_PREFIX = """
+INSERT INTO wire_prefixes (session_id, epoch, sha256, text, first_turn) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (session_id, epoch, sha256) DO NOTHING"""
+SQL_WIRE_PREFIXES = """
+SELECT sha256, text, first_turn FROM wire_prefixes WHERE session_id = $1 AND epoch = $2 ORDER BY position"""
 SQL_GROUP_LOGGED = "SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $2) LIMIT 1"
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
@@ -103,7 +111,7 @@ ORDER BY created_at, memory_id LIMIT $2"""
 SQL_SEARCH = """
 SELECT memory_id, text, trust, ts_rank(tsv, q) AS rank
 FROM memories, websearch_to_tsquery('english', $2) AS q
-WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[]))
+WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[])) AND NOT starts_with(memory_id, 'withdrawn:')
 ORDER BY rank DESC, memory_id LIMIT $4"""
 SQL_CORRECTIONS = """
 SELECT memory_id, text, trust, corrects FROM memories
@@ -121,6 +129,7 @@ ON CONFLICT (route) DO UPDATE SET calibration = CASE
     WHEN $2 > calibrations.calibration THEN $2
     ELSE calibrations.calibration + 0.1 * ($2 - calibrations.calibration) END,
     updated_at = now()"""
+SQL_PROVIDER_CALIBRATION = "SELECT max(calibration) FROM calibrations WHERE route LIKE $1"
 SQL_SET_CALIBRATION = """
 INSERT INTO calibrations (route, calibration) VALUES ($1, $2)
 ON CONFLICT (route) DO UPDATE SET calibration = EXCLUDED.calibration, updated_at = now()"""
@@ -128,12 +137,62 @@ SQL_PUT_CHECKPOINT = """
 INSERT INTO checkpoints (session_id, checkpoint_id, parent_id, depth, covers_from_seq, covers_to_seq, checkpoint)
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
 SQL_LATEST_CHECKPOINT = """
-SELECT checkpoint FROM checkpoints WHERE session_id = $1 ORDER BY covers_to_seq DESC, depth DESC LIMIT 1"""
+SELECT checkpoint FROM checkpoints WHERE session_id = $1
+ORDER BY covers_to_seq DESC, (checkpoint->>'kind' = 'escalation') DESC, depth DESC LIMIT 1"""
+# An escalation over a summary with nothing new to cover ties on covers_to_seq: the escalation is the later one.
+SQL_INSERT_OWNED_SESSION = """
+INSERT INTO sessions (session_id, open, secret, owner) VALUES ($1, $2, $3, $4)
+ON CONFLICT (session_id) DO NOTHING"""
+SQL_SESSION_FOR_CLAIM = """
+SELECT open, secret, owner, created_at, closed_at FROM sessions WHERE session_id = $1 FOR UPDATE"""
+SQL_SESSION_OPENED = "SELECT 1 FROM prefixes WHERE session_id = $1 LIMIT 1"
+SQL_ADOPT_SESSION = "UPDATE sessions SET owner = $2 WHERE session_id = $1 AND owner IS NULL"
+SQL_REPLACE_SESSION = """
+UPDATE sessions SET open = $2, secret = $3, owner = $4, created_at = now(), closed_at = NULL, close_reason = NULL
+WHERE session_id = $1"""
+# What a run that failed before it opened may have left, removed before its id is reused.
+SQL_CLEAR_UNOPENED = tuple(
+    f"DELETE FROM {table} WHERE session_id = $1"
+    for table in (
+        "items",
+        "request_records",
+        "working_state_writes",
+        "checkpoints",
+        "compaction_plans",
+        "summarizer_calls",
+        "memory_candidates",
+        "artifacts",
+    )
+)
+SQL_GET_MEMORY = "SELECT memory_id, text, source_session, corrects FROM memories WHERE scope = $1 AND memory_id = $2"
 SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
 
+SQL_DELETE_MEMORY = "DELETE FROM memories WHERE scope = $1 AND memory_id = $2 RETURNING 1"
+SQL_WITHDRAWN = "SELECT 1 FROM memories WHERE scope = $1 AND memory_id = $2"
+# Tables whose rows are a session's, by a `session_id` column: found in the catalogue, so a table added later
+# is purged too. `sessions` goes last (the others reference it).
+SQL_SESSION_TABLES = """
+SELECT table_name FROM information_schema.columns
+WHERE table_schema = current_schema() AND column_name = 'session_id' AND table_name <> 'sessions'
+ORDER BY table_name"""
+SQL_PURGE_REQUESTS = """
+DELETE FROM rendered_requests WHERE sha256 IN (SELECT request_sha256 FROM request_records WHERE session_id = $1)
+   OR prefix_sha256 IN (SELECT sha256 FROM prefixes WHERE session_id = $1)"""
+SQL_PURGE_MEMORIES = "DELETE FROM memories WHERE source_session = $1"
+SQL_PURGE_SESSION = "DELETE FROM sessions WHERE session_id = $1"
+WITHDRAWN_PREFIX = "withdrawn:"  # a tombstone memory: the correction line of a deleted memory still in a snapshot
+
 
 MAX_DELTA_CHAIN = 32  # a request stored as a delta is at most this many links from a whole one
+
+
+class SessionNotClosedError(RuntimeError):
+    """A purge of a session that is still open: close it first."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"session {session_id!r} is not closed; close it before purging it")
 
 
 class ForeignReferenceError(PermissionError):
@@ -143,6 +202,11 @@ class ForeignReferenceError(PermissionError):
         self.session_id = session_id
         self.reference = reference
         super().__init__(f"reference {reference!r} does not belong to session {session_id!r}; refused")
+
+
+def _rows(status: str) -> int:
+    """Rows affected, from asyncpg's command status (`DELETE 3`)."""
+    return int(status.rsplit(" ", 1)[-1])
 
 
 def sha256_text(text: str) -> str:
@@ -186,6 +250,37 @@ class Store:
             await conn.execute(SQL_INSERT_SESSION, session_id, open_json, secret)
             row = await conn.fetchrow(SQL_GET_SESSION, session_id)
         return bytes(row["secret"])
+
+    async def claim_session(
+        self, session_id: str, open_json: dict[str, Any], secret: bytes, owner: str
+    ) -> tuple[asyncpg.Record, bool]:
+        """Claim `session_id` for the run `owner`; returns the stored row and whether `owner` holds it.
+
+        A retry of the owner's open finds its own row. A row of another run is replaced when that run never
+        opened (it failed before a prefix was stored), adopted when it predates owners and is still open, and
+        otherwise left alone: a session id names one session forever.
+        """
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(SQL_INSERT_OWNED_SESSION, session_id, open_json, secret, owner)
+            row = await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id)
+            if row["owner"] == owner:
+                return row, True
+            if (
+                row["owner"] is None
+                and row["closed_at"] is None
+                and await conn.fetchval(SQL_SESSION_OPENED, session_id)
+            ):
+                await conn.execute(SQL_ADOPT_SESSION, session_id, owner)  # a session opened before owners existed
+                return row, True
+            if await conn.fetchval(SQL_SESSION_OPENED, session_id):
+                return row, False
+            for sql in SQL_CLEAR_UNOPENED:
+                await conn.execute(sql, session_id)
+            await conn.execute(SQL_REPLACE_SESSION, session_id, open_json, secret, owner)
+            return await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id), True
+
+    async def get_memory(self, scope: str, memory_id: str) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL_GET_MEMORY, scope, memory_id)
 
     async def get_session(self, session_id: str) -> asyncpg.Record | None:
         return await self.pool.fetchrow(SQL_GET_SESSION, session_id)
@@ -398,6 +493,19 @@ class Store:
     ) -> None:
         await self.pool.execute(SQL_RECORD_USAGE, session_id, turn, call_index, actual, cached, output)
 
+    async def record_wire_prefix(
+        self, session_id: str, turn: int, call_index: int, *, epoch: int, sha256: str, text: str
+    ) -> list[asyncpg.Record]:
+        """Record a request's wire prefix hash (the first attempt's wins) and keep each distinct wire prefix of
+        the epoch once; returns the epoch's distinct wire prefixes, first seen first."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(SQL_RECORD_WIRE, session_id, turn, call_index, sha256)
+            await conn.execute(SQL_PUT_WIRE_PREFIX, session_id, epoch, sha256, text, turn)
+            return list(await conn.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
+
+    async def wire_prefixes(self, session_id: str, epoch: int) -> list[asyncpg.Record]:
+        return list(await self.pool.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
+
     # ------------------------------------------------------------ events
     async def add_event(
         self, session_id: str, event_key: str, type_: str, *, turn: int, epoch: int, payload: dict[str, Any]
@@ -435,6 +543,40 @@ class Store:
     async def corrections(self, scope: str, memory_ids: Sequence[str]) -> list[asyncpg.Record]:
         return await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids))
 
+    async def delete_memory(self, scope: str, memory_id: str, *, reason: str) -> bool:
+        """Delete a memory; leave a tombstone that corrects it, so a frozen snapshot that still holds it shows a
+        correction line until its next epoch. True when it was deleted, now or by an earlier attempt.
+
+        The tombstone names no session (a later purge of the deleting session must not bring the memory back).
+        """
+        tombstone = f"{WITHDRAWN_PREFIX}{memory_id}"
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(SQL_DELETE_MEMORY, scope, memory_id):
+                text = f"withdrawn ({reason}); disregard this memory"
+                await conn.execute(SQL_WRITE_MEMORY, scope, tombstone, text, "USER", None, memory_id)
+                return True
+            return bool(await conn.fetchval(SQL_WITHDRAWN, scope, tombstone))
+
+    # ------------------------------------------------------------ erasure
+    async def purge_session(self, session_id: str, *, require_closed: bool = True) -> dict[str, int]:
+        """Erase a closed session from PostgreSQL: every row keyed by it, the requests rendered for it and the
+        memories it formed. Returns rows deleted per table. Raises LookupError, and SessionNotClosedError
+        unless the caller checked otherwise that it ended (a session that failed to open is never closed)."""
+        counts: dict[str, int] = {}
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow("SELECT closed_at FROM sessions WHERE session_id = $1 FOR UPDATE", session_id)
+            if row is None:
+                raise LookupError(f"no session {session_id!r} in this database")
+            if require_closed and row["closed_at"] is None:
+                raise SessionNotClosedError(session_id)
+            counts["rendered_requests"] = _rows(await conn.execute(SQL_PURGE_REQUESTS, session_id))
+            counts["memories"] = _rows(await conn.execute(SQL_PURGE_MEMORIES, session_id))
+            for table in [r["table_name"] for r in await conn.fetch(SQL_SESSION_TABLES)]:
+                deleted = await conn.execute(f'DELETE FROM "{table}" WHERE session_id = $1', session_id)
+                counts[table] = _rows(deleted)
+            counts["sessions"] = _rows(await conn.execute(SQL_PURGE_SESSION, session_id))
+        return counts
+
     # ------------------------------------------------------------ working state
     async def add_working_state_write(self, session_id: str, write_key: str, turn: int, write: dict[str, Any]) -> None:
         await self.pool.execute(SQL_ADD_WS_WRITE, session_id, write_key, turn, write)
@@ -453,6 +595,11 @@ class Store:
     async def learn_calibration(self, route: str, *, observed: float, first: float) -> None:
         """Adopt a higher observed ratio at once, relax towards a lower one (core.estimator.reconcile's rule)."""
         await self.pool.execute(SQL_LEARN_CALIBRATION, route, observed, first)
+
+    async def provider_calibration(self, provider: str) -> float | None:
+        """The highest calibration any route of `provider` holds: where a new route of it starts (never lower)."""
+        value = await self.pool.fetchval(SQL_PROVIDER_CALIBRATION, provider + "/%")
+        return float(value) if value is not None else None
 
     async def set_calibration(self, route: str, calibration: float) -> None:
         await self.pool.execute(SQL_SET_CALIBRATION, route, calibration)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from core.budget import ContextBudget
 from core.estimator import DEFAULT_PROFILES, ModelProfile
 from core.plan import PlanSummary
+from core.working_state import WorkingStateUpdate
 
 MAX_TURN_TEXT = 100_000  # characters; larger input belongs in an artifact, not a turn
 DEFAULT_PLATFORM_POLICY = (
@@ -22,8 +24,54 @@ DEFAULT_PLATFORM_POLICY = (
 )
 
 
+# Tool-call caps (SessionOpen): defaults a real agent never reaches, and upper bounds that keep the worst turn
+# far inside Temporal's history limit (ctxengine/bounds.py proves it; docs/reliability.md states it).
+DEFAULT_TOOL_CALLS_PER_REPLY = 64
+DEFAULT_TOOL_CALLS_PER_TURN = 256
+MAX_TOOL_CALLS_PER_REPLY = 128
+MAX_TOOL_CALLS_PER_TURN = 512
+
+
+def storable_text_error(value: Any, path: str = "") -> str | None:
+    """Where `value` (a string, or a JSON-like dict/list of them) holds text PostgreSQL cannot store: NUL
+    (`\\u0000` is refused in text and jsonb) or a lone surrogate (not encodable as UTF-8). None when it can."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            where = value.index("\x00")
+            return f"{path or 'value'}: contains a NUL character (\\u0000 at index {where}), which cannot be stored"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{path or 'value'}: contains a lone surrogate at index {exc.start}, which is not valid UTF-8"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = storable_text_error(key, f"{path}.{key!s}" if path else str(key)) or storable_text_error(
+                item, f"{path}.{key}" if path else str(key)
+            )
+            if found:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = storable_text_error(item, f"{path}.{index}" if path else str(index))
+            if found:
+                return found
+    return None
+
+
 class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Every text field of every start and update input: refused at decode time, before any handler runs, any
+    # lock is taken or anything is stored (a NUL reaching PostgreSQL is an error no retry can fix).
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str | dict | list):
+            found = storable_text_error(value)
+            if found:
+                raise ValueError(found.removeprefix("value: "))
+        return value
 
 
 class ToolSpec(_Input):
@@ -33,6 +81,17 @@ class ToolSpec(_Input):
     # The highest trust this tool's results may carry (docs/trust.md): a tool that reads the outside world
     # declares EXTERNAL_UNTRUSTED. An executor may lower it, never raise it.
     max_trust: Literal["USER", "TOOL", "EXTERNAL_UNTRUSTED"] = "TOOL"
+
+    @field_validator("input_schema", mode="after")
+    @classmethod
+    def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """A broken schema is refused at open, not at the first call (when the model already relies on it)."""
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+            raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+        return schema
 
 
 class ModelRoute(_Input):
@@ -55,9 +114,22 @@ class ModelRoute(_Input):
             update["context_window"] = self.context_window
         if self.min_cacheable_tokens is not None:
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
-        elif self.provider == "anthropic" and "haiku" in self.model:
-            update["min_cacheable_tokens"] = 2_048  # Anthropic's published minimum for Haiku-class models
+        elif self.provider == "anthropic":
+            update["min_cacheable_tokens"] = anthropic_min_cacheable(self.model)
+        if self.provider == "scripted":  # its published ratio: a new route never starts below it
+            update["calibration"] = max(base.calibration, self.scripted_usage_ratio)
         return base.model_copy(update=update)
+
+
+def anthropic_min_cacheable(model: str) -> int:
+    """Anthropic's published minimum cacheable prompt length for `model` (prompt-caching docs): 4,096 tokens
+    for Haiku 4.5 and Opus 4.5/4.6, 2,048 for Haiku 3 and 3.5, 1,024 for the other current models."""
+    name = model.lower()
+    if any(m in name for m in ("haiku-4-5", "haiku-4.5", "opus-4-5", "opus-4.5", "opus-4-6", "opus-4.6")):
+        return 4_096
+    if "haiku" in name:
+        return 2_048
+    return 1_024
 
 
 class ActivityTimeouts(_Input):
@@ -65,8 +137,11 @@ class ActivityTimeouts(_Input):
 
     build_seconds: float = Field(default=30, gt=0)
     model_seconds: float = Field(default=300, gt=0)
-    model_heartbeat_seconds: float = Field(default=30, gt=0)
+    model_heartbeat_seconds: float = Field(default=5, gt=0)
     tool_seconds: float = Field(default=60, gt=0)
+    # Every other activity heartbeats too (activities/failures.py): a dead worker's build or tool is retried
+    # after this, not after its start-to-close timeout.
+    heartbeat_seconds: float = Field(default=5, gt=0)
 
 
 class SessionOpen(_Input):
@@ -77,19 +152,44 @@ class SessionOpen(_Input):
     tools: list[ToolSpec] = Field(default_factory=list)
     grants: list[str] | None = None  # None: every pinned tool is granted
     model_route: ModelRoute = Field(default_factory=ModelRoute)
-    budget: dict[str, Any] = Field(default_factory=dict)  # overrides of ContextBudget fields
+    # overrides of ContextBudget fields; validated with the route even when empty (a route window may be too small)
+    budget: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     memory_scope: str = "default"
     timeouts: ActivityTimeouts = Field(default_factory=ActivityTimeouts)
     continue_as_new_after_turns: int | None = Field(default=None, ge=1)  # tests and demos; None: when suggested
+    # Past these, further tool calls are refused with an error result the model sees (docs/reliability.md).
+    max_tool_calls_per_reply: int = Field(default=DEFAULT_TOOL_CALLS_PER_REPLY, ge=1, le=MAX_TOOL_CALLS_PER_REPLY)
+    max_tool_calls_per_turn: int = Field(default=DEFAULT_TOOL_CALLS_PER_TURN, ge=1, le=MAX_TOOL_CALLS_PER_TURN)
     # Set by the workflow when it continues as new; callers leave it out. (One input argument, because
     # Temporal decodes typed arguments only when the payload count matches the signature.)
     carried: SessionState | None = None
     carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
 
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
-        """The budget for a route: its window, with this session's overrides on top."""
-        base = ContextBudget(context_window=(profile or self.model_route.profile()).context_window)
-        return ContextBudget.model_validate({**base.model_dump(), **self.budget})
+        """The budget for a route: its window, with this session's overrides on top (validated together, so a
+        small route window with a smaller reserve override is a valid budget)."""
+        window = (profile or self.model_route.profile()).context_window
+        return ContextBudget.model_validate({"context_window": window, **self.budget})
+
+    @field_validator("budget", mode="after")
+    @classmethod
+    def _budget_fits_route(cls, budget: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Route and budget are checked together at the door; the error names the budget field."""
+        route = info.data.get("model_route")
+        if route is None:
+            return budget
+        window = route.profile().context_window
+        try:
+            ContextBudget.model_validate({"context_window": window, **budget})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            field = f"budget.{loc}" if loc else "budget (with the route's context_window)"
+            if not loc and "output_reserve" in first["msg"]:
+                field = "budget.output_reserve"
+            msg = str(first["msg"]).removeprefix("Value error, ")
+            raise ValueError(f"{field}: {msg} (model_route.context_window {window:,})") from None
+        return budget
 
 
 class TurnInput(_Input):
@@ -123,6 +223,37 @@ class WriteMemory(_Input):
 
 class CloseSession(_Input):
     reason: str = "closed by caller"
+
+
+class GrantTool(_Input):
+    """Update `grant_tool`: re-grant a revoked tool, or grant a pinned tool `SessionOpen.grants` left out.
+
+    The prefix is untouched (same prefix hash, no epoch). A tool that is not pinned needs an epoch rotation.
+    """
+
+    name: str
+    reason: str = "granted by operator"
+
+
+class DeleteMemory(_Input):
+    """Update `delete_memory`: the memory leaves the store and later recall. A session whose frozen snapshot
+    holds it keeps it until its next epoch, with a correction line saying it was withdrawn."""
+
+    memory_id: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,100}$")
+    reason: str = Field(default="withdrawn by the user", max_length=500)
+
+
+class MemoryDeleted(BaseModel):
+    memory_id: str
+    deleted: bool  # False: no such memory in the session's scope (already deleted, or never written)
+    in_snapshot: bool  # the session's frozen snapshot holds it: a correction line withdraws it until next epoch
+
+
+class WorkingStateResult(BaseModel):
+    """Result of update `update_working_state`: the working state the next request will show."""
+
+    turn: int  # the first turn whose requests see this write
+    working_state: str
 
 
 class ToolCallOutcome(BaseModel):
@@ -173,6 +304,7 @@ class SessionState(BaseModel):
     prefix_hashes: dict[str, list[str]] = Field(default_factory=dict)  # epoch -> distinct hashes seen
     pinned_tools: list[str] = Field(default_factory=list)
     revoked_tools: dict[str, str] = Field(default_factory=dict)
+    granted_tools: list[str] = Field(default_factory=list)  # pinned tools granted beyond SessionOpen.grants
     removed_tools: list[str] = Field(default_factory=list)  # taken out of the prefix by a forced revocation
     compaction_runs: int = 0  # every CompactionWorkflow started, whatever it decided: names the next one
     working_state: str = ""
@@ -191,6 +323,7 @@ class OpenInput(BaseModel):
     epoch: int = 1
     reason: str = "session_open"
     revoked: list[str] = Field(default_factory=list)
+    owner: str | None = None  # the session's first run id: one owner per session id (docs/reliability.md)
 
 
 class OpenResult(BaseModel):
@@ -225,6 +358,9 @@ class ModelInput(BaseModel):
     call_index: int
     epoch: int
     request_sha256: str
+    # Tool calls this reply may make; past it the next call is logged with a refusal the model sees.
+    max_tool_calls: int | None = None
+    tool_call_cap: str = ""  # what the cap is, in the refusal's words
 
 
 class ToolCallRequest(BaseModel):
@@ -242,6 +378,7 @@ class ModelResult(BaseModel):
     output_tokens: int = 0
     estimated_tokens: int
     overrun: bool = False
+    refused_tool_calls: int = 0  # calls past the cap, answered with a refusal in the log already
 
 
 class ToolInput(BaseModel):
@@ -283,6 +420,23 @@ class EventInput(BaseModel):
     turn: int
     epoch: int
     payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class WorkingStateInput(BaseModel):
+    session_id: str
+    update_id: str
+    turn: int  # the first turn that sees the write: the one after the last finished turn
+    epoch: int
+    update: WorkingStateUpdate
+
+
+class DeleteMemoryInput(BaseModel):
+    session_id: str
+    scope: str
+    delete: DeleteMemory
+    update_id: str
+    turn: int
+    epoch: int
 
 
 class CloseInput(BaseModel):
@@ -344,13 +498,22 @@ class ChildRunInput(BaseModel):
     open: SessionOpen
     state: SessionState
     turn: int
-    user_item_id: str
+    user_item_id: str | None  # None: a whole turn run in a child (a long run's history), starting from `text`
     call_index: int
+    text: str | None = None
+    update_id: str | None = None
 
 
 class ChildRunResult(BaseModel):
     result: TurnResult
     state: SessionState
+
+
+class SealTurnInput(BaseModel):
+    session_id: str
+    turn: int
+    epoch: int
+    reason: str
 
 
 class FormationInput(BaseModel):

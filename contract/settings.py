@@ -32,6 +32,13 @@ class Settings(BaseSettings):
     openai_base_url: str | None = Field(default=None, validation_alias="OPENAI_BASE_URL")
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
     anthropic_base_url: str | None = Field(default=None, validation_alias="ANTHROPIC_BASE_URL")
+    # OpenTelemetry (the `otel` extra): spans are exported over OTLP/HTTP when either endpoint is set; the
+    # exporter reads the other standard OTEL_* variables itself.
+    otel_exporter_otlp_endpoint: str | None = Field(default=None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT")
+    otel_exporter_otlp_traces_endpoint: str | None = Field(
+        default=None, validation_alias="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    )
+    otel_service_name: str | None = Field(default=None, validation_alias="OTEL_SERVICE_NAME")
 
 
 class SettingsError(ValueError):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.budget import ContextBudget
 from core.compaction import Checkpoint, apply_checkpoint
-from core.errors import NonYieldableOverflowError, PrefixOverflowError
+from core.errors import PrefixOverflowError, TurnTooLargeError
 from core.estimator import TokenEstimator
 from core.item_rendering import render_item, source_of
 from core.items import (
@@ -46,7 +46,7 @@ from core.order import assembly_order
 from core.plan import ContextPlan, PlanStatus, Segment, YieldApplied, YieldStep
 from core.rendering import ESCAPING_FINGERPRINT, FRAMING_TEXT
 from core.validation import PairState, validate_pairs
-from core.working_state import CONTROL_TOOL_NAME
+from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
 
 FRAMING_ID = "platform.2.framing"
 WORKING_STATE_ID = "working_state"  # one id for the block, so the write-time measure is exactly build's
@@ -63,6 +63,44 @@ class PrefixInputs(BaseModel):
     agent_instructions: str
     tools: list[ToolDefinition] = Field(default_factory=list)
     memory_snapshot: list[MemorySnapshotEntry] = Field(default_factory=list)
+
+
+def operator_tool(name: str, description: str, input_schema: dict[str, Any] | None) -> ToolDefinition:
+    """An operator's tool definition as Region A pins it."""
+    schema = {} if input_schema is None else {"input_schema": input_schema}
+    return ToolDefinition(id=f"tool.{name}", name=name, description=description, **schema)
+
+
+def region_a_inputs(
+    *,
+    platform_policy: str,
+    agent_instructions: str,
+    tools: Sequence[ToolDefinition],
+    memory_snapshot: Sequence[MemorySnapshotEntry] = (),
+    epoch: int = 1,
+) -> PrefixInputs:
+    """Region A's inputs, assembled once for every caller (session open, `ctxengine validate`, the benches):
+    the operator's tools in their order, then the platform's working-state control tool, which the operator's
+    30-tool count cap does not include (`open_prefix`) but whose tokens count against the tools' token cap."""
+    operator = [t for t in tools if t.name != CONTROL_TOOL_NAME]
+    control = ToolDefinition(
+        id=f"tool.{CONTROL_TOOL_NAME}",
+        name=CONTROL_TOOL_NAME,
+        description=CONTROL_TOOL_DESCRIPTION,
+        input_schema=control_tool_schema(),
+    )
+    return PrefixInputs(
+        epoch=epoch,
+        platform_policy=platform_policy,
+        agent_instructions=agent_instructions,
+        tools=[*operator, control],
+        memory_snapshot=list(memory_snapshot),
+    )
+
+
+def operator_tool_count(inputs: PrefixInputs) -> int:
+    """How many of Region A's tools count against the operator's cap (all but the platform's control tool)."""
+    return sum(1 for t in inputs.tools if t.name != CONTROL_TOOL_NAME)
 
 
 class FrozenPrefix(BaseModel):
@@ -249,9 +287,8 @@ def open_prefix(
     """Render Region A, measure every class exactly, and refuse to open if any class is over its cap."""
     # The count cap is the operator's: the platform's own control tool does not take one of the 30 places
     # (its tokens still count against the tools' token cap).
-    operator_tools = [t for t in inputs.tools if t.name != CONTROL_TOOL_NAME]
-    if len(operator_tools) > budget.tools_max_count:
-        raise PrefixOverflowError("tools", len(operator_tools), budget.tools_max_count, unit="tools")
+    if operator_tool_count(inputs) > budget.tools_max_count:
+        raise PrefixOverflowError("tools", operator_tool_count(inputs), budget.tools_max_count, unit="tools")
     if len(inputs.memory_snapshot) > budget.memory_snapshot_max_items:
         raise PrefixOverflowError(
             "memory_snapshot", len(inputs.memory_snapshot), budget.memory_snapshot_max_items, unit="items"
@@ -340,11 +377,16 @@ def build(
         fixed_items.append(body.current)
     fixed = [(item, cache.segment(item, estimator)) for item in fixed_items]
     fixed_total = sum(est(s) for _, s in fixed)
-    if fixed_total > available:
+    # Yield inside the active turn: its results may become pointers (the call stays, so the pair stays whole).
+    active_pointers = _active_pointer_candidates(fixed, cache, estimator)
+    minimum = fixed_total - sum(est(s) - est(p) for _, s, p in active_pointers)
+    if minimum > available:
         by_class: dict[str, int] = {}
-        for _, s in fixed:
-            by_class[s.budget_class.value] = by_class.get(s.budget_class.value, 0) + math.ceil(est(s))
-        raise NonYieldableOverflowError(by_class, available)
+        for item, s in fixed:
+            pointer = next((p for r, _, p in active_pointers if r is item), None)
+            seg = pointer or s
+            by_class[seg.budget_class.value] = by_class.get(seg.budget_class.value, 0) + math.ceil(est(seg))
+        raise TurnTooLargeError(by_class, available, prefix_tokens=prefix_tokens, input_limit=budget.input_limit)
 
     yields: list[YieldApplied] = []
     # Recall within its own cap, best rank first.
@@ -444,13 +486,63 @@ def build(
         # Yield 2: tool results to typed pointers, oldest first.
         truncate_until(lambda: total() <= available, "pressure")
 
+    compactable = _compactable(older, body.checkpoint)
+    pointered: dict[str, Segment] = {}
+    if total() > available and active_pointers:
+        # Yield 2, inside the active turn, oldest first: as far as the active turn alone needs while older
+        # history can still be compacted (compaction cannot shrink the active turn), all the way otherwise.
+        def active_done() -> bool:
+            return (fixed_total if compactable else total()) <= available
+
+        freed_active = 0.0
+        for result, seg, pseg in active_pointers:
+            if active_done():
+                break
+            pointered[result.id] = pseg
+            freed_active += est(seg) - est(pseg)
+            fixed_total -= est(seg) - est(pseg)
+        if pointered:
+            yields.append(
+                YieldApplied(
+                    step=YieldStep.ACTIVE_TOOL_RESULTS_TO_POINTERS,
+                    reason="pressure",
+                    item_ids=list(pointered),
+                    tokens_freed=math.ceil(freed_active),
+                )
+            )
+    dropped_pointers: set[int] = set()
+    if total() > available and not compactable:
+        # The minimum body: nothing is left to compact and the active turn is pointers, so the checkpoint's own
+        # pointers go, oldest first (each still resolves by its reference; the summary names the checkpoints).
+        dropped_ids: list[str] = []
+        freed_cp = 0
+        for index, h in enumerate(older):
+            if total() <= available:
+                break
+            if isinstance(h, ElidedSpan) and h.call_id is None:
+                dropped_pointers.add(index)
+                dropped_ids.append(h.id)
+                freed_cp += older_raw[index]
+                older_raw_total -= older_raw[index]
+                older_n -= 1
+        if dropped_ids:
+            yields.append(
+                YieldApplied(
+                    step=YieldStep.CHECKPOINT_POINTERS_DROPPED,
+                    reason="pressure",
+                    item_ids=dropped_ids,
+                    tokens_freed=math.ceil((freed_cp + len(dropped_ids) * per_msg) * unit),
+                )
+            )
     estimated_body = total()
     status = PlanStatus.FITS if estimated_body <= available else PlanStatus.NEEDS_COMPACTION
     deficit = max(0, math.ceil(estimated_body - available))
 
     # Built in assembly order (core.order.SECTIONS): history, corrections, recall, working state, turn
     # context, current message. Tests assert it against order_key; sorting here would cost a pass per build.
-    tail = [cache.segment(h, estimator) for h in active]
+    tail = [pointered.get(h.id) or cache.segment(h, estimator) for h in active]
+    if dropped_pointers:
+        older_segs = [seg for index, seg in enumerate(older_segs) if index not in dropped_pointers]
     tail += [cache.segment(c, estimator) for c in sorted(body.corrections, key=attrgetter("id"))]
     tail += [s for _, s, _ in recall]
     tail += [s for item, s in fixed if isinstance(item, WorkingStateBlock | TurnContext | CurrentUserMessage)]
@@ -498,6 +590,26 @@ def build(
         yields=yields,
         untrusted_in_view=any(s.taints for s in body_segments),
     )
+
+
+def _compactable(older: Sequence[HistoryItem], checkpoint: Checkpoint | None) -> bool:
+    """Whether compaction would find a span: an older item the checkpoint does not cover (plan_compaction's rule)."""
+    if checkpoint is None:
+        return bool(older)
+    return any(h.seq > checkpoint.covers_to_seq for h in older)
+
+
+def _active_pointer_candidates(
+    fixed: list[tuple[Item, Segment]], cache: RenderCache, estimator: TokenEstimator
+) -> list[tuple[ToolResult, Segment, Segment]]:
+    """The active turn's results, oldest first, with the pointer each may become (only when that is smaller)."""
+    out: list[tuple[ToolResult, Segment, Segment]] = []
+    for item, seg in fixed:
+        if type(item) is ToolResult:
+            pseg = cache.pointer_segment(item, seg.raw_tokens, estimator)
+            if pseg.raw_tokens < seg.raw_tokens:
+                out.append((item, seg, pseg))
+    return out
 
 
 def _pointer_for(result: ToolResult, raw_tokens: int) -> ElidedSpan:

@@ -253,6 +253,17 @@ def plan_compaction(
         )
         span = [i for i in span if i.seq < first_kept_call]
     if not span:
+        if current is not None and current.kind == "summary":
+            # Nothing left outside the active turn but a summary: the run continues in a child run whose body is
+            # the minimum (a reference summary, pointers only as room allows), instead of failing the turn.
+            return CompactionPlan(
+                decision=CompactionDecision.ESCALATE,
+                depth=depth,
+                parent_id=parent,
+                covers_from_seq=current.covers_from_seq,
+                covers_to_seq=current.covers_to_seq,
+                reason="nothing left to compact outside the active turn: escalate to a minimum body",
+            )
         return CompactionPlan(
             decision=CompactionDecision.NOTHING_TO_COMPACT, depth=depth, parent_id=parent, reason="empty span"
         )

@@ -80,3 +80,56 @@ class OrderError(ContextError):
 
 class UndeclaredRegionError(TypeError):
     """An item type that does not declare its region and budget class (decision 1)."""
+
+
+class TurnTooLargeError(NonYieldableOverflowError):
+    """Even the minimum body (current message, working state, corrections, turn context, active pairs as
+    pointers) does not fit beside the prefix: this turn fails alone, nothing of it is logged, and the session
+    takes the next turn (docs/assembly-and-budget.md, "A turn that cannot fit")."""
+
+    def __init__(self, classes: dict[str, int], available: int, *, prefix_tokens: int, input_limit: int) -> None:
+        super().__init__(classes, available)
+        self.message_tokens = classes.get("current_message", 0)
+        self.prefix_tokens = prefix_tokens
+        self.input_limit = input_limit
+        self.minimum_body_tokens = sum(classes.values())
+        self.budget_class = max(sorted(classes), key=lambda name: classes[name]) if classes else "current_message"
+        Exception.__init__(
+            self,
+            f"turn too large: its minimum body needs {self.minimum_body_tokens:,} tokens (largest class "
+            f"{self.budget_class!r}; message {self.message_tokens:,}) beside a {prefix_tokens:,}-token prefix, over "
+            f"the {input_limit:,}-token input limit; the session takes the next turn",
+        )
+
+    def details(self) -> dict[str, object]:
+        """The sizes, for a caller to check: message + rest of the minimum body + prefix > input limit."""
+        return {
+            "class": self.budget_class,
+            "message_tokens": self.message_tokens,
+            "minimum_body_tokens": self.minimum_body_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "input_limit": self.input_limit,
+            "classes": dict(self.classes),
+        }
+
+
+class RouteDoesNotFitError(ContextError):
+    """A rotation to a route under which the minimum body no longer fits: refused, the old epoch stays."""
+
+    def __init__(self, route: str, prefix_tokens: int, minimum_body_tokens: int, input_limit: int) -> None:
+        self.route = route
+        self.prefix_tokens = prefix_tokens
+        self.minimum_body_tokens = minimum_body_tokens
+        self.input_limit = input_limit
+        super().__init__(
+            f"rotation to {route} refused: its prefix estimate ({prefix_tokens:,} tokens) and the minimum body "
+            f"({minimum_body_tokens:,}) exceed its {input_limit:,}-token input limit; the old epoch stays"
+        )
+
+    def details(self) -> dict[str, object]:
+        return {
+            "route": self.route,
+            "prefix_tokens": self.prefix_tokens,
+            "minimum_body_tokens": self.minimum_body_tokens,
+            "input_limit": self.input_limit,
+        }

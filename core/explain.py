@@ -48,3 +48,34 @@ def first_difference(expected: Sequence[Segment], actual: Sequence[Segment]) -> 
             actual=bb[lo : k + EXCERPT].decode("utf-8", "replace"),
         )
     return None
+
+
+class WireDifference(BaseModel):
+    """Where two requests' cacheable prefixes, as serialized on the wire, first differ."""
+
+    byte_offset: int  # from the start of the wire prefix (activities/wire.py), in UTF-8 bytes
+    part: str  # the member the offset falls in: "tools", or "system" (the system message or blocks)
+    expected: str  # bytes around the difference, decoded for reading
+    actual: str
+
+
+def first_wire_difference(expected: str, actual: str) -> WireDifference | None:
+    """The first byte where the wire prefix `actual` departs from `expected`; None if identical.
+
+    Both are wire-prefix texts: the parts (`tools` first, when present) joined by one newline.
+    """
+    eb, ab = expected.encode("utf-8", "surrogatepass"), actual.encode("utf-8", "surrogatepass")
+    if eb == ab:
+        return None
+    k = 0
+    while k < min(len(eb), len(ab)) and eb[k] == ab[k]:
+        k += 1
+    before = eb[:k]
+    part = "tools" if eb.startswith(b"[") and b"\n" not in before else "system"
+    lo = max(0, k - EXCERPT // 2)
+    return WireDifference(
+        byte_offset=k,
+        part=part,
+        expected=eb[lo : k + EXCERPT].decode("utf-8", "replace"),
+        actual=ab[lo : k + EXCERPT].decode("utf-8", "replace"),
+    )

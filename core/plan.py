@@ -29,6 +29,9 @@ class Segment(BaseModel):
 class YieldStep(StrEnum):
     RECALL_DROPPED = "recall_dropped"
     TOOL_RESULTS_TO_POINTERS = "tool_results_to_pointers"
+    # Only once older history has nothing left to give (docs/assembly-and-budget.md, "Inside the active turn").
+    ACTIVE_TOOL_RESULTS_TO_POINTERS = "active_tool_results_to_pointers"
+    CHECKPOINT_POINTERS_DROPPED = "checkpoint_pointers_dropped"
 
 
 class YieldApplied(BaseModel):

@@ -146,7 +146,9 @@ def inspect(
 
 @app.command()
 def gate(
-    name: Annotated[str, typer.Argument(help="stability, trust, budget, pairs, determinism, compaction, or all.")],
+    name: Annotated[
+        str, typer.Argument(help="stability, trust, budget, pairs, determinism, compaction, chaos, inputs, or all.")
+    ],
     as_json: JsonFlag = False,
     inject_prefix_timestamp: Annotated[
         bool, typer.Option("--inject-prefix-timestamp", hidden=True, help="Test-only fault: a clock in the prefix.")
@@ -185,12 +187,21 @@ def gate(
 def validate(
     configs: Annotated[list[Path], typer.Argument(help="SessionOpen files (JSON or YAML).")],
     model: Annotated[list[str], typer.Option("--model", help="Route provider/model; repeat for several.")] = [],  # noqa: B006 - typer reads the default
+    message_tokens: Annotated[
+        int, typer.Option("--message-tokens", min=1, help="Message size the floor is computed for.")
+    ] = 500,
+    tool_results: Annotated[
+        int, typer.Option("--tool-results", min=0, help="Tool results in one model call, for the floor.")
+    ] = 4,
     as_json: JsonFlag = False,
 ) -> None:
-    """Check agent configurations against every route before deployment: exit 0 fits, 1 over a cap, 2 invalid."""
+    """Check agent configurations against every route before deployment: exit 0 fits, 1 over a cap, 2 invalid.
+
+    Also prints each route's floor: the smallest context window that takes a turn of that message size and
+    that many tool results."""
     from ctxengine.operator_tools import offending_lines, validate_files
 
-    code, report = validate_files(configs, model)
+    code, report = validate_files(configs, model, message_tokens=message_tokens, tool_results=tool_results)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
     elif code == 2:
@@ -208,6 +219,12 @@ def validate(
                 console.print(table)
                 for w in r["warnings"]:
                     console.print(f"[yellow]warning:[/yellow] {w}")
+                if r.get("min_context_window"):
+                    f = r["floor_for"]
+                    console.print(
+                        f"floor: a {f['message_tokens']:,}-token message with {f['tool_results']} tool results "
+                        f"needs a context window of at least {r['min_context_window']:,} tokens"
+                    )
         for line in offending_lines(report):
             typer.echo(f"over cap: {line}", err=True)
     raise typer.Exit(code)
@@ -304,6 +321,52 @@ def replay(
         )
     if not changes and not model and report["reproduced"] != len(rows):
         raise typer.Exit(1)
+
+
+@app.command()
+def schema(
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the JSON Schemas into.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Write JSON Schema for the start input, every update's input and result, and the query (docs/contract.md)."""
+    from ctxengine.schema import write_schemas
+
+    written = write_schemas(out)
+    if as_json:
+        sys.stdout.write(json.dumps({"out": str(out), "files": [p.name for p in written]}) + "\n")
+    else:
+        typer.echo(f"wrote {len(written)} files to {out}")
+
+
+@app.command()
+def purge(
+    session: Annotated[str, typer.Option("--session", help="The closed session to erase.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Erase a closed session from PostgreSQL: log, artifacts, requests, checkpoints, events, formed memories.
+
+    Temporal keeps its workflow histories until the namespace's retention period expires."""
+    import asyncio
+
+    from activities.store import SessionNotClosedError
+    from ctxengine.client import HISTORY_NOTE
+    from services.stack import services
+
+    async def go() -> dict[str, int]:
+        async with services(temporal=False) as svc:
+            return await svc.store.purge_session(session)
+
+    try:
+        rows = asyncio.run(go())
+    except (LookupError, SessionNotClosedError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    report = {"session_id": session, "rows_deleted": rows, "temporal_history": HISTORY_NOTE}
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        emit(rows, False, f"purged {session}")
+        typer.echo(HISTORY_NOTE)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,20 @@ from pydantic import ValidationError
 
 from activities.tokens import TiktokenCounter
 from contract.payloads import ModelRoute, SessionOpen
-from core.build import PrefixInputs, open_prefix
+from core.budget import ContextBudget
+from core.build import BodyInputs, build, open_prefix, operator_tool, operator_tool_count, region_a_inputs
+from core.errors import TurnTooLargeError
 from core.estimator import DEFAULT_PROFILES, TokenEstimator
-from core.items import BudgetClass, ToolDefinition
-from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
+from core.items import (
+    BudgetClass,
+    CurrentUserMessage,
+    HistoryItem,
+    ToolCall,
+    ToolResult,
+    TurnContext,
+    UserMessage,
+)
+from core.plan import PlanStatus
 
 _VALIDATE_SECRET = b"ctxengine-validate"  # nonces have a fixed length, so any secret measures the same
 
@@ -49,26 +59,19 @@ def load_config(path: Path) -> SessionOpen:
         raise ConfigError(f"{path}: field {field}: {first['msg']}") from exc
 
 
-def validate_config(open_: SessionOpen, route: ModelRoute, counter_for: Any) -> dict[str, Any]:
+def validate_config(
+    open_: SessionOpen, route: ModelRoute, counter_for: Any, *, message_tokens: int = 500, tool_results: int = 4
+) -> dict[str, Any]:
     """Measure each Region A class with the route's estimator: tokens, cap, headroom; tools also by count."""
     profile = route.profile()
     budget = open_.context_budget()
     estimator = TokenEstimator(profile, counter_for(profile.encoding))
-    tools = [
-        ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
-        for t in open_.tools
-    ]
-    tools.append(
-        ToolDefinition(
-            id=f"tool.{CONTROL_TOOL_NAME}",
-            name=CONTROL_TOOL_NAME,
-            description=CONTROL_TOOL_DESCRIPTION,
-            input_schema=control_tool_schema(),
-        )
+    inputs = region_a_inputs(  # the same Region A a session open assembles
+        platform_policy=open_.platform_policy,
+        agent_instructions=open_.agent_instructions,
+        tools=[operator_tool(t.name, t.description, t.input_schema) for t in open_.tools],
     )
-    inputs = PrefixInputs(
-        platform_policy=open_.platform_policy, agent_instructions=open_.agent_instructions, tools=tools
-    )
+    tool_count = operator_tool_count(inputs)  # the platform's control tool takes none of the operator's places
     # Measure every class even when one overflows: open with unlimited caps, then compare with the real ones.
     loose = budget.model_copy(
         update={
@@ -85,8 +88,8 @@ def validate_config(open_: SessionOpen, route: ModelRoute, counter_for: Any) -> 
         tokens = prefix.class_tokens[cls.value]
         row: dict[str, Any] = {"tokens": tokens, "cap": cap, "headroom": cap - tokens}
         if cls is BudgetClass.TOOLS:
-            row.update({"count": len(tools), "count_cap": budget.tools_max_count})
-            if len(tools) > budget.tools_max_count:
+            row.update({"count": tool_count, "count_cap": budget.tools_max_count})
+            if tool_count > budget.tools_max_count:
                 offending.append(cls.value)
         if cls is BudgetClass.MEMORY_SNAPSHOT:
             row["note"] = "filled at session open from the memory scope, up to its cap"
@@ -107,10 +110,58 @@ def validate_config(open_: SessionOpen, route: ModelRoute, counter_for: Any) -> 
         "prefix_tokens": prefix_tokens,
         "classes": classes,
         "warnings": warnings,
+        "min_context_window": min_window(open_, route, prefix, estimator, message_tokens, tool_results)
+        if not offending
+        else None,
+        "floor_for": {"message_tokens": message_tokens, "tool_results": tool_results},
     }
 
 
-def validate_files(paths: list[Path], routes: list[str]) -> tuple[int, dict[str, Any]]:
+def _takes_turn(open_: SessionOpen, prefix: Any, estimator: TokenEstimator, window: int, message: str, n: int) -> bool:
+    """Whether a turn fits at `window`: the first request (the message) and the one after its n tool results."""
+    budget = ContextBudget.model_validate(
+        {**open_.context_budget(estimator.profile).model_dump(), "context_window": window}
+    )
+    pairs: list[HistoryItem] = []
+    for i in range(n):
+        pairs.append(ToolCall(id=f"c{i}", seq=2 + 2 * i, call_id=f"v{i}", tool_name="tool", arguments={"q": "x" * 40}))
+        pairs.append(ToolResult(id=f"r{i}", seq=3 + 2 * i, call_id=f"v{i}", tool_name="tool", content="data " * 400))
+    clock = TurnContext(id="clock", text="Current date and time (UTC): 2000-01-01T00:00:00+00:00")
+    bodies = [
+        BodyInputs(turn_start_seq=1, current=CurrentUserMessage(id="u", seq=1, text=message), turn_context=clock),
+        BodyInputs(history=[UserMessage(id="u", seq=1, text=message), *pairs], turn_start_seq=1, turn_context=clock),
+    ]
+    try:
+        plans = [build(prefix, b, budget=budget, estimator=estimator, secret=_VALIDATE_SECRET) for b in bodies]
+    except TurnTooLargeError:
+        return False
+    return all(p.status is PlanStatus.FITS for p in plans)
+
+
+def min_window(
+    open_: SessionOpen, route: ModelRoute, prefix: Any, estimator: TokenEstimator, message_tokens: int, n: int
+) -> int:
+    """The smallest context window at which this configuration takes a turn with a message of `message_tokens`
+    tokens and `n` tool results (its output reserve included), by bisection: a larger window never fits less."""
+    message = " ".join(["word"] * message_tokens)
+    reserve = open_.context_budget(estimator.profile).output_reserve
+    low, high = reserve + 1, max(reserve + 2, 1 << 16)
+    while not _takes_turn(open_, prefix, estimator, high, message, n):
+        high *= 2
+        if high > 1 << 24:
+            return -1
+    while low < high:
+        mid = (low + high) // 2
+        if _takes_turn(open_, prefix, estimator, mid, message, n):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def validate_files(
+    paths: list[Path], routes: list[str], *, message_tokens: int = 500, tool_results: int = 4
+) -> tuple[int, dict[str, Any]]:
     """Exit code (0 all fit, 1 something over a cap, 2 a file is not a valid configuration) and the report."""
     counters: dict[str, TiktokenCounter] = {}
 
@@ -124,7 +175,10 @@ def validate_files(paths: list[Path], routes: list[str]) -> tuple[int, dict[str,
         return 2, {"ok": False, "error": str(exc)}
     report: dict[str, Any] = {"ok": True, "configs": []}
     for path, open_ in configs:
-        routes_out = [validate_config(open_, r, counter_for) for r in parsed_routes]
+        routes_out = [
+            validate_config(open_, r, counter_for, message_tokens=message_tokens, tool_results=tool_results)
+            for r in parsed_routes
+        ]
         report["configs"].append({"config": str(path), "routes": routes_out})
         if not all(r["fits"] for r in routes_out):
             report["ok"] = False

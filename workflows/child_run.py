@@ -11,7 +11,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from contract import names
-    from contract.payloads import ChildRunInput, ChildRunResult, RevokeTool
+    from contract.payloads import ChildRunInput, ChildRunResult, GrantTool, RevokeTool
 
 from workflows.turn import TurnRunner
 
@@ -21,14 +21,24 @@ class ChildRunWorkflow:
     @workflow.init
     def __init__(self, inp: ChildRunInput) -> None:
         self.state = inp.state.model_copy(deep=True)
+        self.grants = inp.open.grants
 
     @workflow.run
     async def run(self, inp: ChildRunInput) -> ChildRunResult:
         runner = TurnRunner(inp.open, self.state, escalate=None)
-        result = await runner.run(inp.turn, user_item_id=inp.user_item_id, first_call=inp.call_index)
+        result = await runner.run(
+            inp.turn, text=inp.text, update_id=inp.update_id, user_item_id=inp.user_item_id, first_call=inp.call_index
+        )
         return ChildRunResult(result=result, state=self.state)
 
     @workflow.signal(name=names.UPDATE_REVOKE_TOOL)
     def revoke_tool(self, req: RevokeTool) -> None:
         """The session forwards revocations made while this run is in flight: authorisation is at call time."""
         self.state.revoked_tools[req.name] = req.reason
+
+    @workflow.signal(name=names.UPDATE_GRANT_TOOL)
+    def grant_tool(self, req: GrantTool) -> None:
+        """The session forwards grants too (it checked the tool is pinned): authorisation is at call time."""
+        self.state.revoked_tools.pop(req.name, None)
+        if self.grants is not None and req.name not in self.grants and req.name not in self.state.granted_tools:
+            self.state.granted_tools.append(req.name)

@@ -13,12 +13,16 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from contract import names
+    from contract import names, retries
     from contract.payloads import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
     from core.compaction import CompactionDecision
 
 RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
+    maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
+    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )
 SUMMARIZE_CONCURRENCY = 4
 
@@ -33,6 +37,7 @@ class CompactionWorkflow:
             inp,
             result_type=CompactionStep,
             start_to_close_timeout=timedelta(seconds=t.build_seconds),
+            heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"plan {inp.checkpoint_id}",
         )
@@ -46,6 +51,7 @@ class CompactionWorkflow:
                 inp,
                 result_type=CompactionOutcome,
                 start_to_close_timeout=timedelta(seconds=t.build_seconds),
+                heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"escalate: {step.reason}",
             )
@@ -61,6 +67,7 @@ class CompactionWorkflow:
                         session_id=inp.session_id, epoch=inp.epoch, checkpoint_id=inp.checkpoint_id, chunk_index=index
                     ),
                     start_to_close_timeout=timedelta(seconds=t.model_seconds),
+                    heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
                     retry_policy=RETRY,
                     summary=f"summarize chunk {index + 1}/{step.chunks}",
                 )
@@ -71,6 +78,7 @@ class CompactionWorkflow:
             inp,
             result_type=CompactionOutcome,
             start_to_close_timeout=timedelta(seconds=t.build_seconds),
+            heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"commit {inp.checkpoint_id} (depth {step.depth})",
         )

@@ -12,34 +12,41 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from contract import names
+    from contract import bounds, names, retries
     from contract.events import EventType
     from contract.payloads import (
         ChildRunInput,
         ChildRunResult,
         CloseInput,
         CloseSession,
+        DeleteMemory,
+        DeleteMemoryInput,
         EventInput,
         FormationInput,
         FormationResult,
+        GrantTool,
+        MemoryDeleted,
         MemoryInput,
         MemoryResult,
         OpenInput,
         OpenResult,
         RevokeTool,
         RotateEpoch,
+        SealTurnInput,
         SessionOpen,
         SessionState,
         TurnInput,
         TurnResult,
+        WorkingStateInput,
+        WorkingStateResult,
         WriteMemory,
     )
-    from core.working_state import CONTROL_TOOL_NAME
+    from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
 
 from workflows.child_run import ChildRunWorkflow
 from workflows.turn import RETRY, TurnRunner
@@ -49,6 +56,18 @@ SA_TURNS_EVERY = 10
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
 SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
+# Patches (docs/reliability.md): new commands on existing paths, so recorded histories still replay.
+PATCH_FAILED_TURN = "failed-turn-sealed"
+PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
+PATCH_CLOSE_ONCE = "close-once"
+
+
+def _update_failure(exc: ActivityError) -> ApplicationError:
+    """An activity's typed failure as the update's own, so a caller sees its type and message first-hand."""
+    cause = exc.cause if isinstance(exc.cause, ApplicationError) else None
+    if cause is None:
+        return ApplicationError(str(exc), type="ActivityFailed", non_retryable=True)
+    return ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True)
 
 
 # A start input that is not a SessionOpen fails the workflow with pydantic's message (naming the field),
@@ -103,6 +122,8 @@ class SessionWorkflow:
         limit = self.open.continue_as_new_after_turns
         if limit is not None and self.state.turns - self.turns_at_start >= limit:
             return True
+        if workflow.info().get_current_history_length() >= bounds.HISTORY_CONTINUE_AS_NEW:
+            return True  # our own bound, whatever the server's suggestion threshold (ctxengine/bounds.py)
         return workflow.info().is_continue_as_new_suggested()
 
     # ------------------------------------------------------------ query
@@ -121,7 +142,12 @@ class SessionWorkflow:
             if self.state.status != "open":
                 raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
             self.state.turns += 1
-            result = await self._turn(self.state.turns, turn.text, update_id)
+            try:
+                result = await self._turn(self.state.turns, turn.text, update_id)
+            except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
+                if not workflow.patched(PATCH_FAILED_TURN):
+                    raise
+                raise await self._turn_failed(self.state.turns, exc) from exc
             self._remember(update_id, result)
             self._publish()
             return result
@@ -129,17 +155,77 @@ class SessionWorkflow:
     @submit_turn.validator
     def _validate_turn(self, turn: TurnInput) -> None:
         self._validate_open()
+        self._validate_room()
         if not turn.text.strip():
             raise ValueError("submit_turn: text must not be blank")
 
     async def _turn(self, turn: int, text: str, update_id: str) -> TurnResult:
+        if workflow.info().get_current_history_length() >= bounds.HISTORY_TURN_IN_CHILD and workflow.patched(
+            PATCH_TURN_IN_CHILD
+        ):
+            return await self._turn_in_child(turn, text, update_id)
         runner = TurnRunner(self.open, self.state, escalate=self._escalate)
-        return await runner.run(turn, text=text, update_id=update_id)
+        try:
+            return await runner.run(turn, text=text, update_id=update_id)
+        except (ActivityError, ChildWorkflowError) as exc:
+            raise _typed(exc, "TurnTooLarge") from exc
+
+    async def _turn_in_child(self, turn: int, text: str, update_id: str) -> TurnResult:
+        """A turn of a long run, in a ChildRunWorkflow: its events go to a fresh history (ctxengine/bounds.py)."""
+        self.child = await workflow.start_child_workflow(
+            ChildRunWorkflow.run,
+            ChildRunInput(
+                open=self.open,
+                state=self.state,
+                turn=turn,
+                user_item_id=None,
+                call_index=0,
+                text=text,
+                update_id=update_id,
+            ),
+            id=f"{self.state.session_id}/turn-run/{turn}",
+            static_summary=f"turn {turn} of session {self.state.session_id}, in a child run (long history)",
+            task_timeout=workflow.info().task_timeout,
+        )
+        try:
+            done: ChildRunResult = await self.child
+        finally:
+            self.child = None
+        done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
+        self.state = done.state
+        return done.result
+
+    async def _turn_failed(self, turn: int, exc: BaseException) -> ApplicationError:
+        """A failed turn fails its update, typed, not the session: its unanswered tool calls get error results
+        (so every later request stays valid) and the turn lock is released by the caller's `async with`."""
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ApplicationError):
+            cause = cause.__cause__
+        type_ = cause.type if isinstance(cause, ApplicationError) and cause.type else retries.TURN_FAILED
+        message = cause.message if isinstance(cause, ApplicationError) else str(exc)
+        try:
+            await workflow.execute_activity(
+                names.ACTIVITY_SEAL_TURN,
+                SealTurnInput(
+                    session_id=self.state.session_id,
+                    turn=turn,
+                    epoch=self.state.epoch,
+                    reason=f"{type_}: {message}"[:300],
+                ),
+                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
+                retry_policy=RETRY,
+                summary=f"seal failed turn {turn}",
+            )
+        except ActivityError:
+            pass  # the next turn's build seals it (activities/context.py `_seal_orphans`)
+        self._publish()
+        return ApplicationError(f"turn {turn} failed: {message}", type=type_, non_retryable=True)
 
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
         number = self.state.metrics.escalations
-        sent = dict(self.state.revoked_tools)  # what the child's input carries
+        sent = (dict(self.state.revoked_tools), list(self.state.granted_tools))  # what the child's input carries
         self.child = await workflow.start_child_workflow(
             ChildRunWorkflow.run,
             ChildRunInput(
@@ -147,18 +233,26 @@ class SessionWorkflow:
             ),
             id=f"{self.state.session_id}/child-run/{number}",
             static_summary=f"child run {number} of session {self.state.session_id} (turn {turn})",
+            task_timeout=workflow.info().task_timeout,  # the caller's failover choice (docs/reliability.md)
         )
-        # A revocation that arrived while the child was starting found no child to forward to, and the
+        # A revocation or grant that arrived while the child was starting found no child to forward to, and the
         # child's input predates it: forward it now (a second delivery of one is harmless).
         for name, reason in self.state.revoked_tools.items():
-            if name not in sent:
+            if name not in sent[0]:
                 await self.child.signal(ChildRunWorkflow.revoke_tool, RevokeTool(name=name, reason=reason))
+        for name in self.state.granted_tools:
+            if name not in self.state.revoked_tools and (name not in sent[1] or name in sent[0]):
+                await self.child.signal(ChildRunWorkflow.grant_tool, GrantTool(name=name))
         try:
             done: ChildRunResult = await self.child
         finally:
             self.child = None
         # Adopt the child's state, keeping revocations that arrived while it ran (it got them by signal too).
         done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
+        # Grants made while it ran reached it by signal too and undo revocations: the parent saw every change to
+        # authorisation (the child only receives them), so its view wins.
+        done.state.revoked_tools = dict(self.state.revoked_tools)
+        done.state.granted_tools = list(self.state.granted_tools)
         self.state = done.state
         return done.result
 
@@ -187,6 +281,97 @@ class SessionWorkflow:
         if req.name == CONTROL_TOOL_NAME:
             raise ValueError(f"revoke_tool: {CONTROL_TOOL_NAME} is the working-state control tool and stays granted")
 
+    @workflow.update(name=names.UPDATE_GRANT_TOOL)
+    async def grant_tool(self, req: GrantTool) -> SessionState:
+        """Authorisation changes at call time both ways (ADR-0020 decision 4): the prefix is untouched."""
+        await workflow.wait_condition(lambda: self.ready)
+        self._check_grantable(req.name)
+        self.state.revoked_tools.pop(req.name, None)
+        left_out = self.open.grants is not None and req.name not in self.open.grants
+        if left_out and req.name not in self.state.granted_tools:
+            self.state.granted_tools.append(req.name)
+        if self.child is not None:  # a turn running in a child run authorises against its own copy
+            await self.child.signal(ChildRunWorkflow.grant_tool, req)
+        self._publish()
+        return self.state
+
+    @grant_tool.validator
+    def _validate_grant(self, req: GrantTool) -> None:
+        self._validate_open()
+        if self.ready:
+            self._check_grantable(req.name)
+
+    def _check_grantable(self, name: str) -> None:
+        if name not in self.state.pinned_tools or name in self.state.removed_tools:
+            raise ApplicationError(
+                f"grant_tool: {name!r} is not in this epoch's pinned tool set "
+                f"({', '.join(t for t in self.state.pinned_tools if t not in self.state.removed_tools)}); "
+                "adding a tool changes the prefix and needs an epoch rotation",
+                type="ToolNotPinned",
+                non_retryable=True,
+            )
+
+    @workflow.update(name=names.UPDATE_WORKING_STATE)
+    async def update_working_state(self, req: WorkingStateUpdate) -> WorkingStateResult:
+        """Runtime writes to the working state (ADR-0020 decision 14), between turns: serialised with them."""
+        await workflow.wait_condition(lambda: self.ready)
+        update_id = workflow.current_update_info().id  # type: ignore[union-attr]
+        async with self.lock:
+            if self.state.status != "open":
+                raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
+            try:
+                result: WorkingStateResult = await workflow.execute_activity(
+                    names.ACTIVITY_WORKING_STATE_WRITE,
+                    WorkingStateInput(
+                        session_id=self.state.session_id,
+                        update_id=update_id,
+                        turn=self.state.turns + 1,
+                        epoch=self.state.epoch,
+                        update=req,
+                    ),
+                    result_type=WorkingStateResult,
+                    start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                    retry_policy=RETRY,
+                    summary=f"runtime working-state write: {', '.join(op.op for op in req.operations)}",
+                )
+            except ActivityError as exc:
+                raise _update_failure(exc) from exc
+            self.state.working_state = result.working_state
+            self._publish()
+            return result
+
+    @update_working_state.validator
+    def _validate_working_state(self, req: WorkingStateUpdate) -> None:
+        self._validate_open()
+
+    @workflow.update(name=names.UPDATE_DELETE_MEMORY)
+    async def delete_memory(self, req: DeleteMemory) -> MemoryDeleted:
+        await workflow.wait_condition(lambda: self.ready)
+        update_id = workflow.current_update_info().id  # type: ignore[union-attr]
+        try:
+            result: MemoryDeleted = await workflow.execute_activity(
+                names.ACTIVITY_DELETE_MEMORY,
+                DeleteMemoryInput(
+                    session_id=self.state.session_id,
+                    scope=self.open.memory_scope,
+                    delete=req,
+                    update_id=update_id,
+                    turn=self.state.turns,
+                    epoch=self.state.epoch,
+                ),
+                result_type=MemoryDeleted,
+                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                retry_policy=RETRY,
+                summary=f"delete memory {req.memory_id}",
+            )
+        except ActivityError as exc:
+            raise _update_failure(exc) from exc
+        return result
+
+    @delete_memory.validator
+    def _validate_delete_memory(self, req: DeleteMemory) -> None:
+        self._validate_open()
+
     @workflow.update(name=names.UPDATE_ROTATE_EPOCH)
     async def rotate_epoch(self, req: RotateEpoch) -> SessionState:
         await workflow.wait_condition(lambda: self.ready)
@@ -196,7 +381,10 @@ class SessionWorkflow:
             new_open = self.open.model_copy(update={"model_route": req.model_route}) if req.model_route else self.open
             removed = sorted({*self.state.removed_tools, *req.revoke_tools})
             # Nothing changes unless the new prefix opens: a failed rotation leaves the session as it was.
-            opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            try:
+                opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
+            except ActivityError as exc:
+                raise _typed(exc, "RotationRefused") from exc
             self.open = new_open
             self.state.model_route = new_open.model_route
             self.state.removed_tools = removed
@@ -221,6 +409,7 @@ class SessionWorkflow:
                     },
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"epoch {old} -> {new}: {req.reason}",
             )
@@ -242,6 +431,15 @@ class SessionWorkflow:
     async def write_memory(self, req: WriteMemory) -> MemoryResult:
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
+        try:
+            return await self._write_memory(req, update_id)
+        except ActivityError as exc:  # the update fails with the activity's typed refusal (MemoryIdTaken, ...)
+            cause = exc.cause if isinstance(exc.cause, ApplicationError) else None
+            if cause is None:
+                raise
+            raise ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True) from exc
+
+    async def _write_memory(self, req: WriteMemory, update_id: str) -> MemoryResult:
         result: MemoryResult = await workflow.execute_activity(
             names.ACTIVITY_WRITE_MEMORY,
             MemoryInput(
@@ -254,6 +452,7 @@ class SessionWorkflow:
             ),
             result_type=MemoryResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary="write memory" + (f" correcting {req.corrects}" if req.corrects else ""),
         )
@@ -262,12 +461,16 @@ class SessionWorkflow:
     @write_memory.validator
     def _validate_memory(self, req: WriteMemory) -> None:
         self._validate_open()
+        self._validate_room()
         if not req.text.strip():
             raise ValueError("write_memory: text must not be blank")
 
     @workflow.update(name=names.UPDATE_CLOSE_SESSION)
     async def close_session(self, req: CloseSession) -> SessionState:
         await workflow.wait_condition(lambda: self.ready)
+        # Two closes accepted in one workflow task both pass the validator: only the first closes.
+        if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
+            raise ApplicationError("close_session: the session is already closing", type="SessionClosed")
         self.closing = True
         async with self.lock:
             # Established facts become memory candidates at the session boundary (ADR-0020 decision 15).
@@ -281,6 +484,7 @@ class SessionWorkflow:
                 ),
                 result_type=FormationResult,
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="memory formation",
             )
@@ -293,6 +497,7 @@ class SessionWorkflow:
                     epoch=self.state.epoch,
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="close session",
             )
@@ -308,10 +513,16 @@ class SessionWorkflow:
             raise ValueError("close_session: the session failed to open")
 
     def _validate_open(self) -> None:
+        # Typed, so a caller tells "start a new session" from malformed input (docs/contract.md).
         if self.closing or self.state.status == "closed":
-            raise ValueError("the session is closed; start a new session")
+            raise ApplicationError("the session is closed; start a new session", type="SessionNotOpen")
         if self.state.status == "failed":
-            raise ValueError("the session failed to open")
+            raise ApplicationError("the session failed to open", type="SessionNotOpen")
+
+    def _validate_room(self) -> None:
+        """Refused while the run's history is long and waits to continue as new (ctxengine/bounds.py)."""
+        if workflow.info().get_current_history_length() >= bounds.HISTORY_ADMIT_LIMIT:
+            raise ValueError("the session is continuing as new (its history is long); retry in a few seconds")
 
     # ------------------------------------------------------------ helpers
     async def _open(
@@ -325,9 +536,11 @@ class SessionWorkflow:
                 epoch=epoch,
                 reason=reason,
                 revoked=revoked or [],
+                owner=workflow.info().first_execution_run_id,
             ),
             result_type=OpenResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"open epoch {epoch} ({reason})",
         )
@@ -366,3 +579,14 @@ class SessionWorkflow:
                         SA_PREFIX.value_set(hashes[-1]),
                     ]
                 )
+
+
+def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
+    """An activity's (or a child run's activity's) typed failure of this type, re-raised as the update's own
+    ApplicationError (type and details intact), so the caller sees it directly; any other failure unchanged."""
+    cause: BaseException | None = exc.cause
+    while isinstance(cause, ActivityError | ChildWorkflowError):
+        cause = cause.cause
+    if isinstance(cause, ApplicationError) and cause.type == type_:
+        return ApplicationError(cause.message, *cause.details, type=type_, non_retryable=True)
+    return exc

@@ -11,7 +11,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from contract import names
+    from contract import names, retries
     from contract.payloads import (
         BuildInput,
         BuildResult,
@@ -37,7 +37,19 @@ from workflows.compaction import CompactionWorkflow
 MAX_MODEL_CALLS_PER_TURN = 8
 MAX_COMPACTIONS_PER_REQUEST = 2
 RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
+    # Bounded, and no retry for data or programming errors (ctxengine/retries.py, docs/reliability.md).
+    maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
+    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
+)
+MODEL_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
+    maximum_attempts=retries.MODEL_MAX_ATTEMPTS,
+    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )
 
 # (turn, user_item_id, call_index) -> the result of the rest of the turn, run in a child with a fresh body.
@@ -68,6 +80,7 @@ class TurnRunner:
         calls = 0
         call_index = first_call
         compactions = 0
+        tool_calls_run = 0
         while call_index < MAX_MODEL_CALLS_PER_TURN:
             first = call_index == 0 and user_item_id is None
             built: BuildResult = await workflow.execute_activity(
@@ -84,6 +97,7 @@ class TurnRunner:
                 ),
                 result_type=BuildResult,
                 start_to_close_timeout=timedelta(seconds=t.build_seconds),
+                heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary=f"build turn {turn}.{call_index}",
             )
@@ -106,7 +120,11 @@ class TurnRunner:
                             f"turn {turn}: a child run's body needs compaction past depth 2",
                             type="ContextNeedsCompaction",
                         )
-                    return await self.escalate(turn, user_item_id, call_index)
+                    rest = await self.escalate(turn, user_item_id, call_index)
+                    # The turn's result is the whole turn: the calls made here before the child run, then its own.
+                    return rest.model_copy(
+                        update={"tool_calls": [*outcomes, *rest.tool_calls], "model_calls": calls + rest.model_calls}
+                    )
                 if outcome.decision == CompactionDecision.NOTHING_TO_COMPACT.value:
                     raise ApplicationError(
                         f"turn {turn}: {plan.deficit_tokens:,} tokens over the input limit and nothing left to "
@@ -118,22 +136,28 @@ class TurnRunner:
             model: ModelResult = await workflow.execute_activity(
                 names.ACTIVITY_MODEL,
                 ModelInput(
-                    session_id=sid, turn=turn, call_index=call_index, epoch=epoch, request_sha256=plan.request_sha256
+                    session_id=sid,
+                    turn=turn,
+                    call_index=call_index,
+                    epoch=epoch,
+                    request_sha256=plan.request_sha256,
+                    **self._tool_call_cap(tool_calls_run),
                 ),
                 result_type=ModelResult,
                 start_to_close_timeout=timedelta(seconds=t.model_seconds),
                 heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
-                retry_policy=RETRY,
+                retry_policy=MODEL_RETRY,
                 summary=f"model turn {turn}.{call_index}: {plan.estimated_tokens:,} tokens, "
                 f"{len(plan.yields)} yield(s)",
             )
             calls += 1
             self._count_usage(plan, model)
             reply = model.text or reply
-            if not model.tool_calls:
+            if not model.tool_calls and not model.refused_tool_calls:
                 break
             for call in model.tool_calls:
                 outcomes.append(await self._tool(turn, epoch, call))
+            tool_calls_run += len(model.tool_calls)
             call_index += 1
             compactions = 0
         assert plan is not None
@@ -166,6 +190,7 @@ class TurnRunner:
             ),
             result_type=ToolResultSummary,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.tool_seconds),
+            heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
             summary=f"tool {call.name} turn {turn}" + ("" if decision.allowed else " (denied)"),
         )
@@ -196,6 +221,7 @@ class TurnRunner:
             ),
             id=f"{self.state.session_id}/compaction/{number}",
             static_summary=f"compaction {number} of session {self.state.session_id} (turn {turn})",
+            task_timeout=workflow.info().task_timeout,  # the caller's failover choice (docs/reliability.md)
         )
         m = self.state.metrics
         if outcome.decision == CompactionDecision.COMPACT.value:
@@ -205,9 +231,17 @@ class TurnRunner:
             m.escalations += 1
         return outcome
 
+    def _tool_call_cap(self, run_so_far: int) -> dict[str, object]:
+        """How many tool calls the next reply may make: the per-reply cap, or what the turn has left."""
+        per_reply, per_turn = self.open.max_tool_calls_per_reply, self.open.max_tool_calls_per_turn
+        left = max(0, per_turn - run_so_far)
+        if left < per_reply:
+            return {"max_tool_calls": left, "tool_call_cap": f"at most {per_turn} tool calls run per turn"}
+        return {"max_tool_calls": per_reply, "tool_call_cap": f"at most {per_reply} tool calls run per reply"}
+
     def _granted(self) -> list[str]:
         grants = self.open.grants
-        base = self.state.pinned_tools if grants is None else [*grants, CONTROL_TOOL_NAME]
+        base = self.state.pinned_tools if grants is None else [*grants, CONTROL_TOOL_NAME, *self.state.granted_tools]
         return [g for g in base if g not in self.state.revoked_tools]
 
     def _track_prefix(self, plan: PlanSummary) -> None:

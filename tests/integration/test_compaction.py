@@ -109,19 +109,23 @@ async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str,
 async def test_failed_compaction_does_not_poison_later_ones(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
-    """A turn that cannot fit even after compaction fails alone; later turns still compact under new ids."""
+    """A turn that fits only as the minimum body is answered through escalation; one that cannot fit at all fails
+    alone (TurnTooLarge); later turns still compact under new ids."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
         for i in range(6):
             await turn(handle, f"message {i}: " + "context " * 150)
         from temporalio.client import WorkflowUpdateFailedError
+        from temporalio.exceptions import ApplicationError
 
+        await turn(handle, "too long for anything beside it: " + "detail " * 2_300)
         with pytest.raises(WorkflowUpdateFailedError) as info:
-            await turn(handle, "too long: " + "detail " * 2_550)
-        assert "over the input limit" in str(info.value.cause)
+            await turn(handle, "too long: " + "detail " * 4_000)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "TurnTooLarge"
         for i in range(12):
             await turn(handle, f"later {i}: " + "context " * 150)
         ids = [c["checkpoint_id"] for c in await store.checkpoints(handle.id)]
         assert len(ids) >= 2 and len(set(ids)) == len(ids)
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
-        assert state.compaction_runs >= len(ids) + 1
+        assert state.compaction_runs >= len(ids) and state.metrics.escalations >= 1

@@ -12,9 +12,9 @@ from temporalio.client import Client
 
 from contract import names
 from contract.payloads import SessionState
+from harness.worker_process import WorkerProcess
 from services.embedded import free_port
 from tests.integration.session_helpers import start, turn
-from tests.integration.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -41,8 +41,21 @@ class TestValidate:
         assert res.exit_code == 0, res.output
         report = json.loads(res.stdout)
         classes = report["configs"][0]["routes"][0]["classes"]
-        assert classes["tools"]["count"] == 4 and classes["tools"]["count_cap"] == 30
+        assert classes["tools"]["count"] == 3 and classes["tools"]["count_cap"] == 30  # the control tool is not counted
         assert classes["agent_instructions"]["cap"] == 4_000 and classes["agent_instructions"]["headroom"] > 0
+
+    def test_thirty_operator_tools_fit_and_thirty_one_do_not(self, tmp_path: Path) -> None:
+        """30 operator tools fit (the platform's control tool takes none of the 30 places, as at session open);
+        31 exit 1 naming the count."""
+        tools = [{"name": f"tool_{i:02d}", "description": f"Tool number {i}."} for i in range(31)]
+        fits, over = tmp_path / "thirty.json", tmp_path / "thirty-one.json"
+        fits.write_text(json.dumps({"agent_instructions": "Be brief.", "tools": tools[:30]}))
+        over.write_text(json.dumps({"agent_instructions": "Be brief.", "tools": tools}))
+        res = runner.invoke(app, ["validate", str(fits), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["configs"][0]["routes"][0]["classes"]["tools"]["count"] == 30
+        res = runner.invoke(app, ["validate", str(over)])
+        assert res.exit_code == 1 and "31 tools, cap 30" in res.stderr
 
     def test_oversized_instructions_exit_1_naming_class(self, tmp_path: Path) -> None:
         """4,500 tokens of agent instructions exit 1 naming agent_instructions, 4,500 and 4,000."""
@@ -93,3 +106,63 @@ async def test_replay_reproduces_and_halving_needs_compaction(
     assert halved["first_compaction_needed"] is not None
     assert halved["first_compaction_needed"]["turn"] > 1
     assert halved["prefix_hashes_differ"] == 0
+
+
+class TestValidateFloor:
+    def test_floor_is_the_smallest_window_that_takes_the_turn(self) -> None:
+        """validate's floor takes a turn of that message and those results; one token less does not."""
+        from core.build import PrefixInputs, open_prefix
+        from core.estimator import TokenEstimator
+        from ctxengine.operator_tools import _takes_turn
+
+        counter = TiktokenCounter()
+        open_ = session_open(budget={"output_reserve": 600})
+        report = validate_config(open_, open_.model_route, lambda _: counter, message_tokens=300, tool_results=4)
+        floor = report["min_context_window"]
+        assert 600 + report["prefix_tokens"] + 300 < floor < 16_384
+        estimator = TokenEstimator(open_.model_route.profile(), counter)
+        loose = report  # the prefix is measured the same way validate measures it
+        assert loose["floor_for"] == {"message_tokens": 300, "tool_results": 4}
+        tools = [t for t in validate_prefix_tools(open_)]
+        prefix = open_prefix(
+            PrefixInputs(
+                platform_policy=open_.platform_policy, agent_instructions=open_.agent_instructions, tools=tools
+            ),
+            budget=open_.context_budget().model_copy(update={"tools_max_count": 10**9}),
+            estimator=estimator,
+            secret=b"ctxengine-validate",
+        )
+        message = " ".join(["word"] * 300)
+        assert _takes_turn(open_, prefix, estimator, floor, message, 4)
+        assert not _takes_turn(open_, prefix, estimator, floor - 1, message, 4)
+
+    def test_more_tool_results_need_a_larger_window(self) -> None:
+        """The floor grows with the number of tool results, and the CLI prints it per route."""
+        counter = TiktokenCounter()
+        open_ = session_open(budget={"output_reserve": 600})
+        floors = [
+            validate_config(open_, open_.model_route, lambda _: counter, tool_results=n)["min_context_window"]
+            for n in (0, 4, 8)
+        ]
+        assert floors == sorted(floors) and floors[0] < floors[2]
+        res = runner.invoke(app, ["validate", str(EXAMPLE), "--tool-results", "8", "--message-tokens", "200"])
+        assert "floor: a 200-token message with 8 tool results" in " ".join(res.output.split())
+
+
+def validate_prefix_tools(open_: SessionOpen) -> list:  # type: ignore[type-arg]
+    from core.items import ToolDefinition
+    from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
+
+    tools = [
+        ToolDefinition(id=f"tool.{t.name}", name=t.name, description=t.description, input_schema=t.input_schema)
+        for t in open_.tools
+    ]
+    tools.append(
+        ToolDefinition(
+            id=f"tool.{CONTROL_TOOL_NAME}",
+            name=CONTROL_TOOL_NAME,
+            description=CONTROL_TOOL_DESCRIPTION,
+            input_schema=control_tool_schema(),
+        )
+    )
+    return tools

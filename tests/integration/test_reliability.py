@@ -27,9 +27,9 @@ from temporalio.client import Client, WorkflowHandle
 from activities.store import Store
 from contract import names
 from contract.payloads import ActivityTimeouts, SessionState, TurnResult
+from harness.worker_process import WorkerProcess, worker_process
 from services.embedded import EmbeddedPostgres, dsn_with_database
 from tests.integration.session_helpers import session_open, stack, start, turn
-from tests.integration.worker_process import WorkerProcess, worker_process
 
 pytestmark = pytest.mark.integration
 

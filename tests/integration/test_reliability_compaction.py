@@ -14,8 +14,8 @@ from temporalio.client import Client
 from activities.store import Store
 from contract import names
 from contract.payloads import ActivityTimeouts, SessionState
+from harness.worker_process import worker_process
 from tests.integration.session_helpers import session_open, start, turn
-from tests.integration.worker_process import worker_process
 
 pytestmark = pytest.mark.integration
 

@@ -185,7 +185,15 @@ async def test_bad_start_input_fails_with_the_field(temporal_client: Client, pg_
         with pytest.raises(WorkflowFailureError) as info:
             await handle.result()
         assert "agent_instructions" in str(info.value.cause)
-        handle = await start(temporal_client, task_queue, session_open(budget={"output_reserve": -5}))
+        # Refused by SessionOpen's own validation now (a client building the model gets it at once); sent raw,
+        # it fails the run at decode time, before anything is stored.
+        raw = {
+            **session_open().model_dump(mode="json", exclude={"carried", "carried_results"}),
+            "budget": {"output_reserve": -5},
+        }
+        handle = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION, raw, id=f"bad-budget-{task_queue}", task_queue=task_queue
+        )
         with pytest.raises(WorkflowFailureError) as info:
             await handle.result()
         assert "budget.output_reserve" in str(info.value.cause)

@@ -135,3 +135,26 @@ class TestRegionBOnly:
         shown = apply_checkpoint(hist, cp)
         assert shown[0].kind == "checkpoint_summary"
         assert all(h.seq > 5 for h in shown[1:])
+
+
+class TestNothingLeftOutsideTheActiveTurn:
+    def test_empty_span_over_a_summary_escalates(self) -> None:
+        """With nothing to compact but a summary checkpoint, the plan escalates to a minimum body instead of
+        failing the turn."""
+        hist = _history()
+        first = plan_compaction(hist, current=None, keep_from_seq=15, count=count, chunk_tokens=800, secret=f.SECRET)
+        cp = _checkpoint(first)
+        again = plan_compaction(
+            hist, current=cp, keep_from_seq=cp.covers_to_seq + 1, count=count, chunk_tokens=800, secret=f.SECRET
+        )
+        assert again.decision is CompactionDecision.ESCALATE
+
+    def test_empty_span_over_an_escalation_is_nothing_to_compact(self) -> None:
+        """A fresh body (an escalation checkpoint) with nothing after it has nothing left: no second escalation."""
+        hist = _history()
+        first = plan_compaction(hist, current=None, keep_from_seq=15, count=count, chunk_tokens=800, secret=f.SECRET)
+        cp = _checkpoint(first).model_copy(update={"kind": "escalation", "depth": 0})
+        again = plan_compaction(
+            hist, current=cp, keep_from_seq=cp.covers_to_seq + 1, count=count, chunk_tokens=800, secret=f.SECRET
+        )
+        assert again.decision is CompactionDecision.NOTHING_TO_COMPACT

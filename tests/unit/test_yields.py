@@ -139,3 +139,123 @@ class TestNeverYields:
         plan = _plan(base.model_copy(update={"history": tiny}), 6_000)
         assert all(y.tokens_freed >= 0 for y in plan.yields)
         assert not any(s.kind == "elided_span" for s in plan.segments)
+
+
+def _active_turn(base: BodyInputs, results: int, words: int = 150) -> BodyInputs:
+    """`base` with an active turn of `results` tool pairs after its current message (a later model call)."""
+    from core.items import ToolCall, ToolResult
+
+    hist = list(base.history)
+    start = hist[-1].seq + 1 if hist else 0
+    active: list = [f.UserMessage(id="cur", seq=start, text="go")]  # type: ignore[attr-defined]
+    for i in range(results):
+        active += [
+            ToolCall(id=f"ac{i}", seq=start + 1 + 2 * i, call_id=f"act{i}", tool_name="t00"),
+            ToolResult(
+                id=f"ar{i}",
+                seq=start + 2 + 2 * i,
+                call_id=f"act{i}",
+                tool_name="t00",
+                content=f"active {i} " + "data " * words,
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            ),
+        ]
+    return base.model_copy(update={"history": hist + active, "turn_start_seq": start, "current": None})
+
+
+class TestYieldInsideTheActiveTurn:
+    def test_active_results_become_pointers_oldest_first_when_nothing_is_left_to_compact(self) -> None:
+        """With no older history, the active turn's results become pointers, oldest first; every call stays."""
+        body = _active_turn(BodyInputs(), 6)
+        full = _plan(body, 100_000)
+        plan = _plan(body, full.estimated_tokens + 500 - 300)
+        assert plan.status is PlanStatus.FITS
+        assert [y.step for y in plan.yields] == [YieldStep.ACTIVE_TOOL_RESULTS_TO_POINTERS]
+        ids = [s.item_id for s in plan.segments]
+        assert "ar0#pointer" in ids and "ar5" in ids  # oldest first, the newest stays whole
+        assert all(f"ac{i}" in ids for i in range(6))  # the call stays: the pair is atomic
+        from core.validation import find_orphans
+
+        assert find_orphans([s for s in plan.segments if s.region.value == "B"]) == []
+
+    def test_older_history_yields_before_the_active_turn(self) -> None:
+        """While older results can still become pointers, no active result does."""
+        body = _active_turn(f.body(10), 2, words=40)
+        full = _plan(body, 100_000)
+        plan = _plan(body, full.estimated_tokens + 500 - 150)
+        steps = [y.step for y in plan.yields]
+        assert YieldStep.ACTIVE_TOOL_RESULTS_TO_POINTERS not in steps
+        assert YieldStep.TOOL_RESULTS_TO_POINTERS in steps
+
+    def test_compactable_history_is_compacted_before_active_results_yield(self) -> None:
+        """With compactable older history the plan asks for compaction instead of pointering the active turn."""
+        body = _active_turn(f.body(60), 2, words=40)
+        plan = _plan(body, 6_000)
+        assert plan.status is PlanStatus.NEEDS_COMPACTION
+        assert YieldStep.ACTIVE_TOOL_RESULTS_TO_POINTERS not in [y.step for y in plan.yields]
+
+    def test_active_turn_alone_over_the_window_yields_even_with_compactable_history(self) -> None:
+        """An active turn too big on its own yields as far as it must; compaction handles the rest."""
+        body = _active_turn(f.body(60), 8, words=800)
+        plan = _plan(body, 6_000)
+        assert YieldStep.ACTIVE_TOOL_RESULTS_TO_POINTERS in [y.step for y in plan.yields]
+        assert plan.status is PlanStatus.NEEDS_COMPACTION
+
+    def test_checkpoint_pointers_go_last_when_nothing_is_compactable(self) -> None:
+        """After the active turn is pointers, a checkpoint's own pointers are dropped, oldest first."""
+        from core.compaction import Checkpoint
+        from core.items import ElidedSpan
+
+        pointers = [
+            ElidedSpan(
+                id=f"p{i}",
+                seq=i,
+                original_id=f"x{i}",
+                original_tokens=900,
+                reference=f"artifact:x{i}",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                reason="compaction_elided",
+            )
+            for i in range(20)
+        ]
+        cp = Checkpoint(
+            checkpoint_id="cp-3",
+            kind="escalation",
+            depth=0,
+            covers_from_seq=0,
+            covers_to_seq=99,
+            summary="Earlier context by reference.",
+            pointers=pointers,
+        )
+        body = _active_turn(BodyInputs(checkpoint=cp), 4)
+        body = body.model_copy(
+            update={"history": [h.model_copy(update={"seq": h.seq + 100}) for h in body.history], "turn_start_seq": 100}
+        )
+        fits = _plan(body.model_copy(update={"checkpoint": cp.model_copy(update={"pointers": []})}), 100_000)
+        plan = _plan(body, fits.estimated_tokens + 500)
+        assert plan.status is PlanStatus.FITS
+        steps = [y.step for y in plan.yields]
+        assert steps == [YieldStep.ACTIVE_TOOL_RESULTS_TO_POINTERS, YieldStep.CHECKPOINT_POINTERS_DROPPED]
+        assert "p0" in plan.yields[1].item_ids and "checkpoint:cp-3" in {s.item_id for s in plan.segments}
+
+
+class TestTurnTooLarge:
+    def test_minimum_body_over_the_limit_is_a_typed_error_with_sizes(self) -> None:
+        """A message that cannot fit beside the prefix fails with TurnTooLarge naming the class and the sizes."""
+        from core.errors import TurnTooLargeError
+
+        body = BodyInputs(current=CurrentUserMessage(id="cur", seq=0, text="long " * 5_000))
+        with pytest.raises(TurnTooLargeError) as info:
+            _plan(body, 3_000)
+        d = info.value.details()
+        assert d["class"] == "current_message" and d["input_limit"] == 2_500
+        assert d["message_tokens"] > 5_000 and d["prefix_tokens"] == PREFIX_TOKENS
+        assert d["minimum_body_tokens"] + d["prefix_tokens"] > d["input_limit"]
+
+    def test_active_pairs_as_pointers_count_in_the_minimum(self) -> None:
+        """Big active results are not a reason to fail: their pointers are what the minimum body holds."""
+        plan = _plan(_active_turn(BodyInputs(), 8, words=800), 4_000)
+        assert plan.status is PlanStatus.FITS
+
+
+PREFIX_TOKENS = _plan(BodyInputs(), 100_000).prefix_tokens

@@ -26,7 +26,7 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 WORKER_SCRIPT = REPO / "worker.py"
 _TAIL_CHARS = 3_000
 

@@ -1,0 +1,109 @@
+"""Activity failures, classified and kept short (docs/reliability.md, "Bounded retries, classified failures").
+
+A worker interceptor wraps every activity:
+
+- transient failures (the database unreachable or restarting, a dropped connection, a timeout) become a
+  retryable `ApplicationError` whose message is the cause, first and short;
+- everything else an activity did not raise on purpose is data (a value PostgreSQL refuses, text it cannot
+  encode, a payload that does not validate) or a bug: non-retryable (`InvalidData`, `ProgrammingError`), so
+  the turn fails at once instead of retrying forever with the session's turn lock held.
+
+The full traceback goes to the worker log; the failure Temporal stores stays far below the server's ~2 KB
+failure limit (a stack over it reaches the UI as `Failure exceeds size limit.` and hides the cause).
+It also heartbeats long activities, so a dead worker's work is retried after the heartbeat timeout, not after
+the start-to-close timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import pydantic
+import structlog
+from temporalio import activity
+from temporalio.exceptions import ApplicationError, CancelledError
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+)
+
+from contract.retries import INVALID_DATA, PROGRAMMING_ERROR
+
+log = structlog.get_logger("ctxengine.activities")
+MAX_MESSAGE_CHARS = 600
+# SQLSTATE classes that a retry can outlive: connection, transaction rollback (serialization, deadlock),
+# insufficient resources, operator intervention (shutdown, crash recovery), system error, internal error.
+_TRANSIENT_SQLSTATE = {"08", "40", "53", "57", "58", "XX"}
+
+
+def short(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def classify(exc: BaseException) -> ApplicationError:
+    """The failure Temporal should record for `exc`: typed, short, retryable only if a retry can help."""
+    cause = short(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, asyncpg.PostgresError):
+        state = str(getattr(exc, "sqlstate", "") or "")
+        if state[:2] in _TRANSIENT_SQLSTATE:
+            return ApplicationError(cause, type=type(exc).__name__)
+        if state[:2] == "22":  # data exception: NUL in text, a value out of range, bad encoding
+            return ApplicationError(cause, type=INVALID_DATA, non_retryable=True)
+        return ApplicationError(cause, type=PROGRAMMING_ERROR, non_retryable=True)
+    if isinstance(exc, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | TimeoutError | ConnectionError):
+        return ApplicationError(cause, type=type(exc).__name__)
+    if isinstance(exc, UnicodeError | pydantic.ValidationError | ValueError):
+        return ApplicationError(cause, type=INVALID_DATA, non_retryable=True)
+    return ApplicationError(cause, type=PROGRAMMING_ERROR, non_retryable=True)
+
+
+class _Inbound(ActivityInboundInterceptor):
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        beat = asyncio.create_task(_heartbeat_forever()) if activity.info().heartbeat_timeout else None
+        try:
+            return await super().execute_activity(input)
+        except (ApplicationError, CancelledError, asyncio.CancelledError) as exc:
+            if isinstance(exc, ApplicationError) and len(exc.message) > MAX_MESSAGE_CHARS:
+                raise ApplicationError(
+                    short(exc.message), *exc.details, type=exc.type, non_retryable=exc.non_retryable
+                ) from None
+            raise
+        except Exception as exc:
+            info = activity.info()
+            failure = classify(exc)
+            log.error(
+                "activity.failed",
+                activity=info.activity_type,
+                workflow_id=info.workflow_id,
+                attempt=info.attempt,
+                failure_type=failure.type,
+                retryable=not failure.non_retryable,
+                traceback=traceback.format_exc(),
+            )
+            raise failure from None
+        finally:
+            if beat is not None:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await beat
+
+
+async def _heartbeat_forever() -> None:
+    interval = (activity.info().heartbeat_timeout or timedelta(seconds=30)).total_seconds() / 3
+    while True:
+        await asyncio.sleep(interval)
+        activity.heartbeat()
+
+
+class FailureInterceptor(Interceptor):
+    """Registered on every ctxengine worker (worker.py)."""
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _Inbound(next)

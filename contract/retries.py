@@ -1,0 +1,40 @@
+"""Retry bounds and the failure classes no retry can fix (docs/reliability.md, "Bounded retries").
+
+Pure names and numbers, shared by the workflows (which put them in each activity's Temporal RetryPolicy) and
+by the activity interceptor (activities/failures.py, which classifies what an activity raised).
+"""
+
+from __future__ import annotations
+
+# Database and CPU work: 0.2 s, doubling, at most 2 s apart (a PostgreSQL crash-restart is back within
+# seconds, and a longer wait between attempts is latency added to the turn); 40 attempts wait out ~75 s of
+# outage, then the turn fails with the cause and the session stays open.
+ACTIVITY_MAX_ATTEMPTS = 40
+# A model call may cost a provider call per attempt and up to `timeouts.model_seconds` each.
+MODEL_MAX_ATTEMPTS = 4
+INITIAL_INTERVAL_S = 0.2
+MAXIMUM_INTERVAL_S = 2.0
+
+# Raised for data no retry can store or parse (NUL in text, a value PostgreSQL refuses, a payload that does not
+# validate) and for programming errors (a bug retried is the same bug): the turn fails, typed, at once.
+INVALID_DATA = "InvalidData"
+PROGRAMMING_ERROR = "ProgrammingError"
+NON_RETRYABLE_ERROR_TYPES = [
+    INVALID_DATA,
+    PROGRAMMING_ERROR,
+    "InvalidSessionOpen",
+    "PrefixOverflowError",
+    "SessionIdTaken",
+    "MemoryIdTaken",
+    "UnknownMemory",
+    "UnknownSession",
+    "UnknownEpoch",
+    "UnknownRequest",
+    "UnknownPlan",
+    "NoCheckpoint",
+    "ProviderNotConfigured",
+    "OrphanedToolItemError",
+    "NonYieldableOverflowError",
+]
+# The typed error a failed turn's update carries when its cause had no type of its own.
+TURN_FAILED = "TurnFailed"

@@ -1,0 +1,56 @@
+"""The wire observers that gate_budget and gate_pairs call (ctxengine/wire_gates.py), on the live stack with the
+real adapters against the protocol servers; and the pairs observer catching a fault injected by the harness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
+from activities.provider import ProviderReply, ProviderRequest
+from activities.wire import wire_prefix
+from harness.gates import live_stack
+from harness.wire_gates import wire_budget, wire_pairs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+class DroppedToolCallId(OpenAIProvider):
+    """The fault the pairs observer guards against: a tool message sent without its tool_call_id."""
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        kwargs, names = render_chat_request(request)
+        for message in kwargs["messages"]:
+            if message["role"] == "tool":
+                message.pop("tool_call_id")
+                break
+        completion, sent = await self._create_raw(kwargs, request)
+        return read_completion(completion, names, 0).model_copy(update={"wire_prefix": wire_prefix(sent, "openai")})
+
+
+async def test_wire_pairs_no_orphans_through_both_adapters(temporal_client: Client, pg_dsn: str) -> None:
+    """The pairs scenario through both adapters sends no orphaned call or result on the wire."""
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True) as stack:
+        result = await wire_pairs(stack, turns=8)
+    assert result["faults"] == [] and result["wire_requests_with_orphans"] == 0
+    assert result["wire_requests_checked"] >= 16
+
+
+async def test_negative_wire_pairs_dropped_tool_call_id(temporal_client: Client, pg_dsn: str) -> None:
+    """An adapter that drops a tool_call_id on the wire fails the pairs observer, which names the orphan."""
+    wire_adapters: dict[str, Any] = {"openai": DroppedToolCallId}
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True, wire_adapters=wire_adapters) as stack:
+        result = await wire_pairs(stack, turns=4)
+    assert result["wire_requests_with_orphans"] > 0
+    assert result["faults"][0].startswith("orphan_on_wire: openai") and "tool_call_id" in result["faults"][0]
+
+
+async def test_wire_budget_server_count_within_window(temporal_client: Client, pg_dsn: str) -> None:
+    """Through the OpenAI adapter, with the server counting 1.0 and 1.45 times its tokenizer, no request is over
+    its window by the server's own count, and reconciled estimates cover it."""
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True) as stack:
+        result = await wire_budget(stack, ratios=(1.0, 1.45), windows=(12_000,), turns=10)
+    assert result["wire_requests_checked"] >= 20
+    assert result["faults"] == [], result

@@ -1,0 +1,339 @@
+"""The typed client on the live stack: runtime working-state writes, grants both ways, idempotent turns,
+forgetting and purge (issue 16; docs/contract.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from activities.store import Store
+from contract import names
+from contract.payloads import ChildRunInput, ChildRunResult, GrantTool, RevokeTool
+from ctxengine.client import (
+    CtxEngineClient,
+    SessionIdTaken,
+    SessionNotClosed,
+    SessionNotOpen,
+    ToolNotPinned,
+    ValidationFailed,
+    WorkingStateRejected,
+    map_failure,
+)
+from services.embedded import temporal_binary, temporal_namespace
+from tests.integration.session_helpers import session_open, stack
+
+pytestmark = pytest.mark.integration
+
+FETCH = '/call web.fetch {"url": "fixture://weather"}'
+
+
+def control(*ops: dict[str, Any]) -> str:
+    return "/call context.update_working_state " + json.dumps({"operations": list(ops)})
+
+
+async def region_b(store: Store, request_sha256: str, kind: str) -> str:
+    body = (await store.get_request(request_sha256))["body"]
+    return "\n".join(s["text"] for s in body if s["kind"] == kind)
+
+
+async def test_runtime_working_state_writes(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """The runtime may remove a constraint (the model may not); writes show in the next request and in inspect,
+    are idempotent by key, and a bad write names its operation and field and changes nothing."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open())
+        await s.submit_turn(control({"op": "add_constraint", "text": "Never book flights before 09:00."}))
+        done = await s.update_working_state(
+            {"operations": [{"op": "remove_constraint", "id": "c1"}, {"op": "add_constraint", "text": "Trains only."}]},
+            idempotency_key="ws-1",
+        )
+        again = await s.update_working_state(
+            {"operations": [{"op": "remove_constraint", "id": "c1"}, {"op": "add_constraint", "text": "Trains only."}]},
+            idempotency_key="ws-1",
+        )
+        assert again == done and "Trains only." in done.working_state and "09:00" not in done.working_state
+        runtime_rows = await store.pool.fetch(
+            "SELECT write_key FROM working_state_writes WHERE session_id = $1 AND write_key LIKE 'runtime:%'",
+            s.session_id,
+        )
+        assert len(runtime_rows) == 1
+        after = await s.submit_turn("what are my constraints?")
+        ws = await region_b(store, after.plan.request_sha256, "working_state")
+        assert "Trains only." in ws and "09:00" not in ws
+        view = await ctx.inspect(s.session_id, turn=after.turn)
+        assert any(seg["kind"] == "working_state" and seg["region"] == "B" for seg in view["segments"])
+        # The model can never drop a constraint: the control tool's removal fails as before.
+        model = await s.submit_turn(control({"op": "remove_constraint", "id": "c2"}))
+        assert model.tool_calls[0].is_error and "only the runtime" in model.tool_calls[0].summary
+        # Unknown id and over a cap: typed, named, nothing changed.
+        with pytest.raises(WorkingStateRejected, match=r"operations\[1\] \(remove_constraint\).*'c9'"):
+            await s.update_working_state(
+                {"operations": [{"op": "add_task", "text": "pack"}, {"op": "remove_constraint", "id": "c9"}]}
+            )
+        over = [{"op": "add_constraint", "text": f"rule {i}"} for i in range(20)]
+        with pytest.raises(WorkingStateRejected, match=r"operations\[19\] \(add_constraint\).*'constraints'"):
+            await s.update_working_state({"operations": over})
+        # Malformed input is rejected by the update itself, naming the operation and the field.
+        with pytest.raises(ValidationFailed, match=r"add_task.*text"):
+            try:
+                await s.handle.execute_update(names.UPDATE_WORKING_STATE, {"operations": [{"op": "add_task"}]})
+            except Exception as exc:
+                raise map_failure(exc) from exc
+        state = await s.state()
+        assert "pack" not in state.working_state and "rule 0" not in state.working_state
+        assert "Trains only." in state.working_state
+
+
+async def test_idempotent_turn_across_continue_as_new(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A retried submit_turn with the same key returns the same TurnResult and appends nothing, after the run
+    it first ran in continued as new."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open(continue_as_new_after_turns=2), session_id=f"idem-{task_queue}")
+        first = await s.submit_turn("hello", idempotency_key="req-1")
+        await s.submit_turn("second")
+        await s.submit_turn("third")  # lands on the second run
+        runs = [w async for w in temporal_client.list_workflows(f"WorkflowId = '{s.session_id}'")]
+        assert len(runs) >= 2
+        items = len(await store.load_items(s.session_id))
+        retried = await s.submit_turn("hello", idempotency_key="req-1")
+        assert retried == first
+        assert len(await store.load_items(s.session_id)) == items
+        assert (await s.state()).turns == 3
+        with pytest.raises(SessionIdTaken):
+            await ctx.start_session(session_open(), session_id=s.session_id)
+
+
+async def test_revoke_regrant_and_call(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Grant a pinned tool the open left out, revoke it, re-grant it across continue-as-new and call it: one
+    prefix hash throughout; a tool that is not pinned cannot be granted."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        s = await ctx.start_session(session_open(grants=["notes.save"], continue_as_new_after_turns=2))
+        denied = await s.submit_turn(FETCH)
+        assert not denied.tool_calls[0].allowed and "not granted" in denied.tool_calls[0].summary
+        await s.grant_tool("web.fetch")
+        allowed = await s.submit_turn(FETCH)  # the run continues as new after this turn
+        assert allowed.tool_calls[0].allowed
+        await s.revoke_tool("web.fetch", "incident 7")
+        revoked = await s.submit_turn(FETCH)
+        assert not revoked.tool_calls[0].allowed and "incident 7" in revoked.tool_calls[0].summary
+        state = await s.grant_tool("web.fetch")
+        assert "web.fetch" not in state.revoked_tools and state.granted_tools == ["web.fetch"]
+        regranted = await s.submit_turn(FETCH)
+        assert regranted.tool_calls[0].allowed
+        with pytest.raises(ToolNotPinned, match="epoch rotation"):
+            await s.grant_tool("shell.exec")
+        final = await s.state()
+        assert final.epoch == 1 and len(final.prefix_hashes["1"]) == 1
+        assert {r.prefix_sha256 for r in (denied, allowed, revoked, regranted)} == set(final.prefix_hashes["1"])
+        runs = [w async for w in temporal_client.list_workflows(f"WorkflowId = '{s.session_id}'")]
+        assert len(runs) >= 2
+
+
+async def test_grant_reaches_a_running_child_run(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A child run authorises against its own copy of the grants: a grant signalled while it runs lets its
+    pending call through."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        open_ = session_open()
+        s = await ctx.start_session(open_)
+        await s.submit_turn("hello")
+        await s.revoke_tool("web.fetch")
+        state = await s.state()
+        await store.append_items(
+            s.session_id,
+            2,
+            [{"id": "u:child", "kind": "user_message", "trust": "USER", "text": f"/sleep 1\n{FETCH}"}],
+        )
+        child = await temporal_client.start_workflow(
+            names.WORKFLOW_CHILD_RUN,
+            ChildRunInput(open=open_, state=state, turn=2, user_item_id="u:child", call_index=0),
+            id=f"{s.session_id}/child-run/test",
+            task_queue=task_queue,
+            result_type=ChildRunResult,
+        )
+        await child.signal(names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"))
+        await child.signal(names.UPDATE_GRANT_TOOL, GrantTool(name="web.fetch"))
+        done: ChildRunResult = await child.result()
+        assert done.result.tool_calls[0].allowed
+        assert "web.fetch" not in done.state.revoked_tools and "notes.save" in done.state.revoked_tools
+
+
+async def test_delete_memory(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A deleted memory leaves the store and recall; the session's frozen snapshot keeps it, withdrawn by a
+    correction line, until the next epoch."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await store.write_memory(
+            "default", "home", "The user lives in Bergen.", trust="USER", session_id=None, corrects=None
+        )
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        s = await ctx.start_session(session_open())
+        before = await s.submit_turn("hello")
+        gone = await s.delete_memory("home", reason="user asked to forget")
+        assert gone.deleted and gone.in_snapshot
+        assert (await s.delete_memory("home")).deleted  # a retry finds it deleted
+        after = await s.submit_turn("where do I live? Bergen?")
+        assert after.prefix_sha256 == before.prefix_sha256
+        assert "withdrawn" in await region_b(store, after.plan.request_sha256, "correction")
+        assert "Bergen" not in await region_b(store, after.plan.request_sha256, "recall")
+        assert not await store.memory_exists("default", "home")
+        await s.rotate_epoch("model_route_changed", model_route=session_open().model_route)
+        rotated = await s.submit_turn("where do I live? Bergen?")
+        assert rotated.epoch == 2
+        assert "Bergen" not in (await store.get_prefix(s.session_id, 2))["prefix"]["text"]
+        assert not await region_b(store, rotated.plan.request_sha256, "correction")
+        other = await ctx.start_session(session_open())
+        fresh = await other.submit_turn("where do I live? Bergen?")
+        assert "Bergen" not in (await store.get_prefix(other.session_id, 1))["prefix"]["text"]
+        assert "Bergen" not in await region_b(store, fresh.plan.request_sha256, "recall")
+
+
+async def _rows_mentioning(store: Store, needles: list[str]) -> dict[str, int]:
+    """Rows of every table in the schema (from the catalogue, so none can hide) whose text holds a needle."""
+    tables = [
+        r["table_name"]
+        for r in await store.pool.fetch(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() "
+            "AND table_type = 'BASE TABLE'"
+        )
+    ]
+    found: dict[str, int] = {}
+    for table in tables:
+        n = await store.pool.fetchval(
+            f'SELECT count(*) FROM "{table}" AS t WHERE t::text LIKE ANY($1::text[])', [f"%{x}%" for x in needles]
+        )
+        if n:
+            found[table] = n
+    return found
+
+
+async def test_purge_leaves_nothing(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Purging a closed session removes every row of it (log, artifacts, requests, prefixes, checkpoints,
+    events, formed memories) from every table, and nothing of another session."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open(budget={"context_window": 5_000, "output_reserve": 500}))
+        keep = await ctx.start_session(session_open())
+        await keep.submit_turn(FETCH)
+        await s.submit_turn(control({"op": "add_fact", "text": "The user prefers night trains to Berlin."}))
+        await s.write_memory("The user's cat is called Miso.", idempotency_key="mem-1")
+        for i in range(40):
+            await s.submit_turn(f"turn {i}\n/call web.fetch {json.dumps({'url': f'fixture://marker/{i}'})}")
+            if (await s.state()).metrics.compactions:
+                break
+        assert (await s.state()).metrics.compactions >= 1
+        with pytest.raises(SessionNotClosed):
+            await ctx.purge(s.session_id)
+        await s.close()
+        records = await store.records(s.session_id)
+        needles = [s.session_id, *{r["request_sha256"] for r in records}, *{r["prefix_sha256"] for r in records}]
+        needles += [r["memory_id"] for r in await store.pool.fetch("SELECT memory_id FROM memories")]
+        before = await _rows_mentioning(store, needles)
+        assert {"items", "artifacts", "checkpoints", "events", "rendered_requests", "memories"} <= set(before)
+        kept_before = await _rows_mentioning(store, [keep.session_id])
+        result = await ctx.purge(s.session_id)
+        assert result.rows_deleted["sessions"] == 1 and "retention" in result.temporal_history
+        assert await _rows_mentioning(store, needles) == {}
+        assert await _rows_mentioning(store, [keep.session_id]) == kept_before
+
+
+async def _temporal_cli(address: str, *args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        str(temporal_binary()),
+        *args,
+        "--address",
+        address,
+        "--namespace",
+        temporal_namespace(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode()
+
+
+async def test_stock_cli_runtime_write_grant_and_forget(
+    temporal_client: Client, temporal_address: str, pg_dsn: str, task_queue: str
+) -> None:
+    """The stock `temporal` CLI drives the new updates with plain JSON: a runtime write, revoke and re-grant
+    (one prefix hash), delete_memory; then `ctxengine purge` erases the closed session."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await store.write_memory(
+            "default", "pet", "The user's cat is Miso.", trust="USER", session_id=None, corrects=None
+        )
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open())
+
+        async def update(name: str, payload: dict[str, Any]) -> tuple[int, str]:
+            return await _temporal_cli(
+                temporal_address,
+                "workflow",
+                "update",
+                "execute",
+                "--workflow-id",
+                s.session_id,
+                "--name",
+                name,
+                "--input",
+                json.dumps(payload),
+            )
+
+        code, out = await update("update_working_state", {"operations": [{"op": "add_constraint", "text": "No fly."}]})
+        assert code == 0 and "No fly." in out, out
+        code, out = await update("update_working_state", {"operations": [{"op": "add_task"}]})
+        assert code != 0 and "text" in out and "add_task" in out, out
+        code, out = await update("revoke_tool", {"name": "web.fetch"})
+        assert code == 0, out
+        assert not (await s.submit_turn(FETCH)).tool_calls[0].allowed
+        code, out = await update("grant_tool", {"name": "web.fetch"})
+        assert code == 0, out
+        code, out = await update("grant_tool", {"name": "shell.exec"})
+        assert code != 0 and "epoch rotation" in out, out
+        granted = await s.submit_turn(FETCH)
+        assert granted.tool_calls[0].allowed
+        assert "No fly." in await region_b(store, granted.plan.request_sha256, "working_state")
+        assert len((await s.state()).prefix_hashes["1"]) == 1
+        code, out = await update("delete_memory", {"memory_id": "pet"})
+        assert code == 0 and "deleted:true" in out, out
+        await s.close()
+    env = {**os.environ, "CTXENGINE_DATABASE_URL": pg_dsn}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ctxengine.cli", "purge", "--session", s.session_id, "--json",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out_b, err_b = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err_b.decode()[-2000:]
+    report = json.loads(out_b.decode().strip().splitlines()[-1])
+    assert report["rows_deleted"]["sessions"] == 1 and "retention" in report["temporal_history"]
+
+
+async def test_list_sessions_by_search_attributes(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """Sessions are listed by status, epoch and prefix hash (the search attributes the session upserts)."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        s = await ctx.start_session(session_open())
+        done = await s.submit_turn("hello")
+
+        async def listed(**filters: Any) -> list[str]:
+            for _ in range(100):  # visibility is eventually consistent
+                ids = [x.session_id for x in await ctx.list_sessions(**filters)]
+                if s.session_id in ids:
+                    return ids
+                await asyncio.sleep(0.1)
+            return []
+
+        assert s.session_id in await listed(epoch=1, prefix_sha256=done.prefix_sha256)
+        summary = next(x for x in await ctx.list_sessions(prefix_sha256=done.prefix_sha256))
+        assert summary.epoch == 1 and summary.prefix_sha256 == done.prefix_sha256 and summary.status == "running"
+        assert s.session_id not in [x.session_id for x in await ctx.list_sessions(epoch=2)]
+        await s.close()
+        assert s.session_id in await listed(status="completed")
+        with pytest.raises(SessionNotOpen):
+            await s.submit_turn("anyone there?")

@@ -1,0 +1,251 @@
+"""Regression tests: no input and no fault wedges, kills or mixes a session (docs/reliability.md).
+
+Each test is one of the failures a careless or hostile client could cause through the public updates: a NUL
+character, a 10,000-call turn, a reused session id, a failed start, a model slower than its timeout, a route
+window with a smaller reserve, and the smaller refusals (tool schema, memory ids, a double close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
+
+from activities.store import Store
+from contract import bounds, names
+from contract.payloads import ActivityTimeouts, CloseSession, SessionState, WriteMemory
+from tests.integration.session_helpers import session_open, stack, start, turn
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+async def _update(handle: WorkflowHandle[Any, Any], name: str, arg: Any, timeout: float = 30) -> Any:
+    return await asyncio.wait_for(handle.execute_update(name, arg), timeout=timeout)
+
+
+async def _refused(handle: WorkflowHandle[Any, Any], name: str, arg: Any, timeout: float = 30) -> str:
+    """The update is answered with a failure within `timeout`; its message (cause first)."""
+    with pytest.raises(WorkflowUpdateFailedError) as info:
+        await _update(handle, name, arg, timeout)
+    cause = info.value.cause
+    return f"{getattr(cause, 'type', '')}: {cause}"
+
+
+async def _snapshot(store: Store, session_id: str) -> tuple[Any, ...]:
+    items = [(r["seq"], r["payload"]["id"]) for r in await store.load_items(session_id)]
+    records = [(r["turn"], r["call_index"]) for r in await store.records(session_id)]
+    return items, records
+
+
+async def test_nul_is_refused_at_the_door_and_the_session_goes_on(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A NUL in a turn, a memory or a revocation is refused by the update's validation, names the field, stores
+    nothing and takes no lock: the next turn and close_session work."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        before = await _snapshot(store, handle.id)
+        message = await _refused(handle, names.UPDATE_SUBMIT_TURN, {"text": "hello\u0000world"})
+        assert "text" in message and "NUL" in message
+        message = await _refused(handle, names.UPDATE_WRITE_MEMORY, {"text": "ok", "corrects": "a\u0000"})
+        assert "corrects" in message and "NUL" in message
+        assert await _snapshot(store, handle.id) == before
+        after = await turn(handle, "hello again")
+        assert after.turn == 2
+        closed = await _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession())
+        assert closed["status"] == "closed"
+
+
+async def test_ten_thousand_calls_in_one_turn_are_capped(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A legal turn of 10,000 `/call` lines runs 64 calls, refuses the rest in one pair the model sees, and the
+    run stays far from Temporal's history limit; the session takes another turn."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        result = await asyncio.wait_for(turn(handle, "/call x\n" * 10_000), timeout=100)
+        assert len(result.tool_calls) == 64
+        rows = await store.load_items(handle.id)
+        calls = [r for r in rows if r["payload"]["kind"] == "tool_call"]
+        results = [r for r in rows if r["payload"]["kind"] == "tool_result"]
+        assert len(calls) == len(results) == 65
+        refusal = next(r for r in results if "refused" in r["payload"]["content"])
+        assert "10,000 tool calls" in refusal["payload"]["content"]
+        events = [e async for e in handle.fetch_history_events()]
+        # The per-activity figure the bound is computed with holds on a real history.
+        assert len(events) <= bounds.turn_events(per_reply=64, per_turn=256) + 50
+        assert len(events) < bounds.RUN_EVENTS_TARGET
+        assert (await turn(handle, "and now a normal turn")).text.startswith("Noted")
+
+
+async def test_reused_session_id_is_refused_and_serves_nothing_of_the_old_one(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """The PIN scenario: a second session started with a used id fails at open with SessionIdTaken naming when
+    the first opened and closed; nothing of the first reaches a model for it."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        sid = f"s1-{task_queue}"
+        first = await start(temporal_client, task_queue, session_open(agent_instructions="FIRST-OWNER"), sid)
+        await turn(first, "my PIN is 4321")
+        await _update(first, names.UPDATE_CLOSE_SESSION, CloseSession())
+        await first.result()
+        records_before = len(await store.records(sid))
+        second = await start(
+            temporal_client, task_queue, session_open(agent_instructions="SECOND", tools=[], memory_scope="other"), sid
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(second.result(), timeout=30)
+        cause = info.value.cause
+        assert getattr(cause, "type", None) == "SessionIdTaken", cause
+        assert "opened at" in str(cause) and "closed at" in str(cause)
+        assert len(await store.records(sid)) == records_before  # no request was built for the second owner
+        row = await store.get_session(sid)
+        assert row["open"]["agent_instructions"] == "FIRST-OWNER"
+
+
+async def test_failed_start_does_not_poison_its_id(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A start that fails at open (prefix overflow) leaves its id reusable: the next start opens with its own
+    inputs and its first turn works."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        sid = f"x-{task_queue}"
+        bad = await start(temporal_client, task_queue, session_open(agent_instructions="word " * 6_000), sid)
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(bad.result(), timeout=30)
+        assert getattr(info.value.cause, "type", None) == "PrefixOverflowError"
+        good = await start(temporal_client, task_queue, session_open(agent_instructions="FIXED"), sid)
+        result = await asyncio.wait_for(turn(good, "hello"), timeout=30)
+        assert result.turn == 1 and result.text.startswith("Noted")
+        row = await store.get_session(sid)
+        assert row["open"]["agent_instructions"] == "FIXED"
+
+
+async def test_slow_model_fails_the_turn_not_the_session(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """`timeouts.model_seconds: 5` and a 10 s model call: the turn fails with a typed error after a bounded
+    number of attempts, the lock is released, and the next turn works."""
+    timeouts = ActivityTimeouts(build_seconds=5, model_seconds=5, model_heartbeat_seconds=2, tool_seconds=5)
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(timeouts=timeouts))
+        began = time.monotonic()
+        message = await _refused(handle, names.UPDATE_SUBMIT_TURN, {"text": "think\n/sleep 10"}, timeout=90)
+        assert "ModelCallTimeout" in message, message
+        assert time.monotonic() - began < 60
+        after = await asyncio.wait_for(turn(handle, "quick one"), timeout=30)
+        assert after.turn == 2
+        # The failed turn left nothing half-written: its message, no reply from a late attempt.
+        kinds = [r["payload"]["kind"] for r in await store.load_items(handle.id)]
+        assert kinds == ["user_message", "user_message", "assistant_message"]
+        await _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession())
+
+
+async def test_failed_turn_leaves_no_orphan_in_a_later_request(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A tool call a failed turn never answered (written straight into the log here) gets an error result
+    before the next turn's request is built, so that request is valid."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        await store.append_items(
+            handle.id,
+            1,
+            [{"id": "t1.m9.call0", "kind": "tool_call", "trust": "MODEL", "call_id": "c-orphan", "tool_name": "x"}],
+        )
+        result = await asyncio.wait_for(turn(handle, "next"), timeout=30)
+        assert result.turn == 2
+        rows = {r["payload"]["id"]: r["payload"] for r in await store.load_items(handle.id)}
+        assert rows["t1.m9.call0.result"]["is_error"]
+
+
+async def test_route_window_with_a_smaller_reserve_opens(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """`model_route.context_window: 8192` with `budget.output_reserve: 1024` opens; without the override the
+    start is refused naming `budget.output_reserve`."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        route = {"provider": "scripted", "model": "scripted-1", "context_window": 8192}
+        handle = await start(
+            temporal_client, task_queue, session_open(model_route=route, budget={"output_reserve": 1024})
+        )
+        assert (await turn(handle, "hello")).turn == 1
+        raw = {**session_open().model_dump(mode="json", exclude={"carried", "carried_results"}), "model_route": route}
+        bad = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION, raw, id=f"win-{task_queue}", task_queue=task_queue
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(bad.result(), timeout=30)
+        assert "budget.output_reserve" in str(info.value.cause)
+
+
+async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """An invalid tool schema fails the start naming the tool; a dangling `corrects` and a taken memory id are
+    refused typed (nothing stored); two concurrent closes: one succeeds, formation runs once."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        raw = session_open().model_dump(mode="json", exclude={"carried", "carried_results"})
+        raw["tools"] = [{"name": "broken", "description": "d", "input_schema": {"type": "objekt"}}]
+        bad = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION, raw, id=f"schema-{task_queue}", task_queue=task_queue
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(bad.result(), timeout=30)
+        assert "tools.0.input_schema" in str(info.value.cause) or "input_schema" in str(info.value.cause.__cause__)
+
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        message = await _refused(handle, names.UPDATE_WRITE_MEMORY, WriteMemory(text="fix", corrects="nothing"))
+        assert message.startswith("UnknownMemory")
+        await _update(handle, names.UPDATE_WRITE_MEMORY, WriteMemory(text="first", memory_id="m1"))
+        await _update(handle, names.UPDATE_WRITE_MEMORY, WriteMemory(text="first", memory_id="m1"))  # same: ok
+        message = await _refused(handle, names.UPDATE_WRITE_MEMORY, WriteMemory(text="second", memory_id="m1"))
+        assert message.startswith("MemoryIdTaken")
+        row = await store.get_memory("default", "m1")
+        assert row["text"] == "first"
+
+        outcomes = await asyncio.gather(
+            _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession()),
+            _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession()),
+            return_exceptions=True,
+        )
+        assert sum(not isinstance(o, BaseException) for o in outcomes) == 1, outcomes
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.status == "closed"
+
+
+async def test_worker_waits_for_postgres_at_start(
+    temporal_client: Client, temporal_address: str, pg_restartable: Any, tmp_path: Any
+) -> None:
+    """A worker started while PostgreSQL is down waits (logged backoff) and serves once it is up."""
+    from harness.worker_process import WorkerProcess
+
+    server_dsn = await pg_restartable.start()
+    await pg_restartable.stop()
+    queue = f"wait-{time.monotonic_ns()}"
+    worker = WorkerProcess(
+        temporal_address=temporal_address, dsn=server_dsn, task_queue=queue, home=tmp_path, name="patient"
+    )
+    try:
+        starting = asyncio.create_task(worker.start(temporal_client, timeout=60))
+        await asyncio.sleep(4)
+        assert worker.alive, worker.log_tail()
+        await pg_restartable.start()
+        await starting
+        assert "worker.waiting" in worker.log_tail() or "worker.waiting" in worker.log_path.read_text()
+        handle = await start(temporal_client, queue)
+        assert (await asyncio.wait_for(turn(handle, "hello"), timeout=30)).turn == 1
+    finally:
+        worker.kill()
+        await pg_restartable.start()
+
+
+async def test_continued_session_keeps_its_id(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A session that continued as new is the same owner: a later rotation reopens its own id."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, session_open(continue_as_new_after_turns=1))
+        await turn(handle, "one")
+        await turn(handle, "two")
+        state = await _update(
+            handle,
+            names.UPDATE_ROTATE_EPOCH,
+            {"reason": "model_route_changed", "model_route": {"provider": "scripted", "model": "scripted-2"}},
+        )
+        assert state["epoch"] == 2
+        assert (await turn(handle, "three")).epoch == 2
