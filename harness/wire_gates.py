@@ -210,20 +210,21 @@ def check_wire_budget(
     """Estimates against the protocol server's own count of what it received (not the engine's figures).
 
     The server's count is the input usage it answered each turn request with, read from its recording. A
-    request is
-    over its window when the server counted more than the plan's input limit; once a route has reconciled
-    (its profile's calibration moved off 1.0; or `assume_reconciled`, when the server's tokenizer and ratio are
+    request is over its window when the server counted more than the plan's input limit; once a route has
+    reconciled (any request after its first; or `assume_reconciled`, when the server's tokenizer and ratio are
     the estimator's own), an estimate below the server's count is an underestimate.
     """
     turns = [r for r in received if not r.is_summary]
     server_usage = [server_input_tokens(r) for r in turns]
     over = under = 0
     faults: list[str] = []
-    for record, counted in zip(records, server_usage, strict=False):
+    for index, (record, counted) in enumerate(zip(records, server_usage, strict=False)):
         limit = record["plan"]["input_limit"]
         if counted > limit:
             over += 1
-        reconciled = assume_reconciled or record["inputs"]["profile"].get("calibration", 1.0) != 1.0
+        # Reconciled once an earlier request of the route reported usage (a new route starts from a published
+        # ratio, which is not yet a reconciliation, so the calibration being off 1.0 says nothing).
+        reconciled = assume_reconciled or index > 0
         if reconciled and record["estimated_tokens"] < counted:
             under += 1
     if over:
