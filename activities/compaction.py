@@ -12,6 +12,7 @@ from temporalio.exceptions import ApplicationError
 from activities.context import SessionActivities
 from activities.provider import SummaryRequest
 from contract import names
+from contract.activity_interfaces import CompactionActivityCalls
 from contract.events import EventType
 from contract.payloads import (
     CompactionInput,
@@ -38,7 +39,7 @@ MIN_FACT_CHARS = 8
 MAX_FACT_CHARS = 1_000
 
 
-class CompactionActivities:
+class CompactionActivities(CompactionActivityCalls):
     def __init__(self, session: SessionActivities) -> None:
         self.session = session
         self.store = session.store

@@ -29,6 +29,7 @@ from activities.tokens import TiktokenCounter
 from activities.tools import EXECUTORS, Executor
 from activities.wire import WirePrefix
 from contract import names
+from contract.activity_interfaces import SessionActivityCalls
 from contract.events import EventType
 from contract.payloads import (
     BuildInput,
@@ -165,7 +166,7 @@ class _SessionCache:
         return self.renders[key]
 
 
-class SessionActivities:
+class SessionActivities(SessionActivityCalls):
     def __init__(
         self,
         store: Store,

@@ -14,6 +14,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from contract import names, retries
+    from contract.activity_interfaces import CompactionActivityCalls
     from contract.payloads import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
     from core.compaction import CompactionDecision
 
@@ -32,10 +33,9 @@ class CompactionWorkflow:
     @workflow.run
     async def run(self, inp: CompactionInput) -> CompactionOutcome:
         t = inp.timeouts
-        step: CompactionStep = await workflow.execute_activity(
-            names.ACTIVITY_COMPACTION_PLAN,
+        step: CompactionStep = await workflow.execute_activity_method(
+            CompactionActivityCalls.plan,
             inp,
-            result_type=CompactionStep,
             start_to_close_timeout=timedelta(seconds=t.build_seconds),
             heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
             retry_policy=RETRY,
@@ -46,10 +46,9 @@ class CompactionWorkflow:
                 decision=step.decision, checkpoint_id=inp.checkpoint_id, depth=step.depth, reason=step.reason
             )
         if step.decision == CompactionDecision.ESCALATE.value:
-            outcome: CompactionOutcome = await workflow.execute_activity(
-                names.ACTIVITY_COMPACTION_ESCALATE,
+            outcome: CompactionOutcome = await workflow.execute_activity_method(
+                CompactionActivityCalls.escalate,
                 inp,
-                result_type=CompactionOutcome,
                 start_to_close_timeout=timedelta(seconds=t.build_seconds),
                 heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
                 retry_policy=RETRY,
@@ -61,8 +60,8 @@ class CompactionWorkflow:
 
         async def summarize(index: int) -> None:
             async with semaphore:
-                await workflow.execute_activity(
-                    names.ACTIVITY_COMPACTION_SUMMARIZE,
+                await workflow.execute_activity_method(
+                    CompactionActivityCalls.summarize,
                     SummarizeInput(
                         session_id=inp.session_id, epoch=inp.epoch, checkpoint_id=inp.checkpoint_id, chunk_index=index
                     ),
@@ -73,10 +72,9 @@ class CompactionWorkflow:
                 )
 
         await asyncio.gather(*(summarize(i) for i in range(step.chunks)))
-        done: CompactionOutcome = await workflow.execute_activity(
-            names.ACTIVITY_COMPACTION_COMMIT,
+        done: CompactionOutcome = await workflow.execute_activity_method(
+            CompactionActivityCalls.commit,
             inp,
-            result_type=CompactionOutcome,
             start_to_close_timeout=timedelta(seconds=t.build_seconds),
             heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
             retry_policy=RETRY,

@@ -18,6 +18,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from contract import bounds, names, retries
+    from contract.activity_interfaces import CompactionActivityCalls, SessionActivityCalls
     from contract.events import EventType
     from contract.payloads import (
         ChildRunInput,
@@ -28,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
         DeleteMemoryInput,
         EventInput,
         FormationInput,
-        FormationResult,
         GrantTool,
         MemoryDeleted,
         MemoryInput,
@@ -204,8 +204,8 @@ class SessionWorkflow:
         type_ = cause.type if isinstance(cause, ApplicationError) and cause.type else retries.TURN_FAILED
         message = cause.message if isinstance(cause, ApplicationError) else str(exc)
         try:
-            await workflow.execute_activity(
-                names.ACTIVITY_SEAL_TURN,
+            await workflow.execute_activity_method(
+                SessionActivityCalls.seal_turn,
                 SealTurnInput(
                     session_id=self.state.session_id,
                     turn=turn,
@@ -320,8 +320,8 @@ class SessionWorkflow:
             if self.state.status != "open":
                 raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
             try:
-                result: WorkingStateResult = await workflow.execute_activity(
-                    names.ACTIVITY_WORKING_STATE_WRITE,
+                result: WorkingStateResult = await workflow.execute_activity_method(
+                    SessionActivityCalls.write_working_state,
                     WorkingStateInput(
                         session_id=self.state.session_id,
                         update_id=update_id,
@@ -329,7 +329,6 @@ class SessionWorkflow:
                         epoch=self.state.epoch,
                         update=req,
                     ),
-                    result_type=WorkingStateResult,
                     start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
                     retry_policy=RETRY,
                     summary=f"runtime working-state write: {', '.join(op.op for op in req.operations)}",
@@ -349,8 +348,8 @@ class SessionWorkflow:
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
-            result: MemoryDeleted = await workflow.execute_activity(
-                names.ACTIVITY_DELETE_MEMORY,
+            result: MemoryDeleted = await workflow.execute_activity_method(
+                SessionActivityCalls.delete_memory,
                 DeleteMemoryInput(
                     session_id=self.state.session_id,
                     scope=self.open.memory_scope,
@@ -359,7 +358,6 @@ class SessionWorkflow:
                     turn=self.state.turns,
                     epoch=self.state.epoch,
                 ),
-                result_type=MemoryDeleted,
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
                 retry_policy=RETRY,
                 summary=f"delete memory {req.memory_id}",
@@ -393,8 +391,8 @@ class SessionWorkflow:
             self.state.epoch = new
             self.state.prefix_hashes[str(new)] = [opened.prefix_sha256]
             self.state.metrics.epochs += 1
-            await workflow.execute_activity(
-                names.ACTIVITY_EVENT,
+            await workflow.execute_activity_method(
+                SessionActivityCalls.record_event,
                 EventInput(
                     session_id=self.state.session_id,
                     event_key=f"epoch:{new}",
@@ -440,8 +438,8 @@ class SessionWorkflow:
             raise ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True) from exc
 
     async def _write_memory(self, req: WriteMemory, update_id: str) -> MemoryResult:
-        result: MemoryResult = await workflow.execute_activity(
-            names.ACTIVITY_WRITE_MEMORY,
+        result: MemoryResult = await workflow.execute_activity_method(
+            SessionActivityCalls.write_memory,
             MemoryInput(
                 session_id=self.state.session_id,
                 scope=self.open.memory_scope,
@@ -450,7 +448,6 @@ class SessionWorkflow:
                 turn=self.state.turns,
                 epoch=self.state.epoch,
             ),
-            result_type=MemoryResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
             heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
@@ -474,22 +471,21 @@ class SessionWorkflow:
         self.closing = True
         async with self.lock:
             # Established facts become memory candidates at the session boundary (ADR-0020 decision 15).
-            await workflow.execute_activity(
-                names.ACTIVITY_MEMORY_FORM,
+            await workflow.execute_activity_method(
+                CompactionActivityCalls.form_memories,
                 FormationInput(
                     session_id=self.state.session_id,
                     scope=self.open.memory_scope,
                     turn=self.state.turns,
                     epoch=self.state.epoch,
                 ),
-                result_type=FormationResult,
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
                 heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
                 retry_policy=RETRY,
                 summary="memory formation",
             )
-            await workflow.execute_activity(
-                names.ACTIVITY_CLOSE,
+            await workflow.execute_activity_method(
+                SessionActivityCalls.close_session,
                 CloseInput(
                     session_id=self.state.session_id,
                     reason=req.reason,
@@ -528,8 +524,8 @@ class SessionWorkflow:
     async def _open(
         self, *, epoch: int, reason: str, revoked: list[str] | None = None, open_: SessionOpen | None = None
     ) -> OpenResult:
-        result: OpenResult = await workflow.execute_activity(
-            names.ACTIVITY_OPEN,
+        result: OpenResult = await workflow.execute_activity_method(
+            SessionActivityCalls.open_session,
             OpenInput(
                 session_id=self.state.session_id,
                 open=open_ or self.open,
@@ -538,7 +534,6 @@ class SessionWorkflow:
                 revoked=revoked or [],
                 owner=workflow.info().first_execution_run_id,
             ),
-            result_type=OpenResult,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
             heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,

@@ -11,7 +11,8 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from contract import names, retries
+    from contract import retries
+    from contract.activity_interfaces import SessionActivityCalls
     from contract.payloads import (
         BuildInput,
         BuildResult,
@@ -83,8 +84,8 @@ class TurnRunner:
         tool_calls_run = 0
         while call_index < MAX_MODEL_CALLS_PER_TURN:
             first = call_index == 0 and user_item_id is None
-            built: BuildResult = await workflow.execute_activity(
-                names.ACTIVITY_BUILD,
+            built: BuildResult = await workflow.execute_activity_method(
+                SessionActivityCalls.build_context,
                 BuildInput(
                     session_id=sid,
                     turn=turn,
@@ -95,7 +96,6 @@ class TurnRunner:
                     update_id=update_id if first else None,
                     user_item_id=user_item_id,
                 ),
-                result_type=BuildResult,
                 start_to_close_timeout=timedelta(seconds=t.build_seconds),
                 heartbeat_timeout=timedelta(seconds=t.heartbeat_seconds),
                 retry_policy=RETRY,
@@ -133,8 +133,8 @@ class TurnRunner:
                         type="ContextNeedsCompaction",
                     )
                 continue  # build never compacts: the compactor wrote a checkpoint, so build again
-            model: ModelResult = await workflow.execute_activity(
-                names.ACTIVITY_MODEL,
+            model: ModelResult = await workflow.execute_activity_method(
+                SessionActivityCalls.call_model,
                 ModelInput(
                     session_id=sid,
                     turn=turn,
@@ -143,7 +143,6 @@ class TurnRunner:
                     request_sha256=plan.request_sha256,
                     **self._tool_call_cap(tool_calls_run),
                 ),
-                result_type=ModelResult,
                 start_to_close_timeout=timedelta(seconds=t.model_seconds),
                 heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
                 retry_policy=MODEL_RETRY,
@@ -178,8 +177,8 @@ class TurnRunner:
         )
         if not decision.allowed:
             self.state.metrics.tool_denials += 1
-        done: ToolResultSummary = await workflow.execute_activity(
-            names.ACTIVITY_TOOL,
+        done: ToolResultSummary = await workflow.execute_activity_method(
+            SessionActivityCalls.execute_tool,
             ToolInput(
                 session_id=self.state.session_id,
                 turn=turn,
@@ -188,7 +187,6 @@ class TurnRunner:
                 allowed=decision.allowed,
                 denial=None if decision.allowed else decision.reason,
             ),
-            result_type=ToolResultSummary,
             start_to_close_timeout=timedelta(seconds=self.open.timeouts.tool_seconds),
             heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
             retry_policy=RETRY,
