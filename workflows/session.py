@@ -240,9 +240,10 @@ class SessionWorkflow:
         for name, reason in self.state.revoked_tools.items():
             if name not in sent[0]:
                 await self.child.signal(ChildRunWorkflow.revoke_tool, RevokeTool(name=name, reason=reason))
-        for name in self.state.granted_tools:
-            if name not in self.state.revoked_tools and (name not in sent[1] or name in sent[0]):
-                await self.child.signal(ChildRunWorkflow.grant_tool, GrantTool(name=name))
+        regranted = [n for n in sent[0] if n not in self.state.revoked_tools]
+        granted = [n for n in self.state.granted_tools if n not in sent[1] and n not in self.state.revoked_tools]
+        for name in dict.fromkeys([*regranted, *granted]):
+            await self.child.signal(ChildRunWorkflow.grant_tool, GrantTool(name=name))
         try:
             done: ChildRunResult = await self.child
         finally:

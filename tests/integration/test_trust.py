@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from temporalio.client import Client
 
 from contract import names
-from contract.payloads import RevokeTool, SessionState
-from tests.integration.child_start_hold import TOOL, HoldChildStart
+from contract.payloads import GrantTool, RevokeTool, SessionState
+from tests.integration.child_start_hold import TOOL, HoldChildStart, HoldChildStartForGrant
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -43,3 +44,39 @@ async def test_revocation_racing_a_child_start_reaches_the_child(
         assert escalated is not None, "the session never escalated to a child run"
         fetches = [c for c in escalated.tool_calls if c.name == TOOL]
         assert fetches and not fetches[-1].allowed, escalated
+
+
+async def _escalating_turn(handle: Any, on_escalation: Any) -> Any:
+    """Turns with long messages until one escalates to a child run at its first build (so the child makes the
+    turn's call); `on_escalation` runs once the session has counted the escalation, while the child starts."""
+    for t in range(1, 60):
+        text = f"turn {t}: " + "plan the trip " * 450 + f'\n/call {TOOL} {{"url": "fixture://weather"}}'
+        pending = asyncio.ensure_future(turn(handle, text))
+        while not pending.done():
+            state: SessionState = await handle.query(names.QUERY_STATE, result_type=SessionState)
+            if state.metrics.escalations >= 1:
+                await on_escalation()
+                break
+            await asyncio.sleep(0.05)
+        result = await pending
+        if (await handle.query(names.QUERY_STATE, result_type=SessionState)).metrics.escalations >= 1:
+            return result
+    raise AssertionError("the session never escalated to a child run")
+
+
+async def test_regrant_racing_a_child_start_reaches_the_child(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A tool revoked before the turn and granted again while its child run starts is allowed in the child."""
+    async with stack(temporal_client, pg_dsn, task_queue, interceptors=[HoldChildStartForGrant()]):
+        handle = await start(
+            temporal_client, task_queue, session_open(budget={"context_window": 5_000, "output_reserve": 500})
+        )
+        await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name=TOOL, reason="until further notice"))
+
+        async def grant() -> None:
+            await handle.execute_update(names.UPDATE_GRANT_TOOL, GrantTool(name=TOOL))
+
+        escalated = await _escalating_turn(handle, grant)
+        fetches = [c for c in escalated.tool_calls if c.name == TOOL]
+        assert fetches and fetches[-1].allowed, escalated
