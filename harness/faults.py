@@ -6,49 +6,47 @@ test (or `ctxengine gate ... --inject-...`) passes one of these classes to `runn
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import Any
 
-from temporalio import activity
-
+from activities.assembly import RequestInputs
 from activities.context import SessionActivities, _SessionCache
-from contract import names
-from contract.payloads import BuildInput, BuildResult
-from core.build import FrozenPrefix, PrefixInputs, open_prefix
-from core.estimator import ModelProfile, TokenEstimator
-
-_clock: ContextVar[str | None] = ContextVar("fault_clock", default=None)
+from contract.payloads import BuildInput, SessionOpen
+from core.build import BodyInputs, FrozenPrefix, PrefixInputs, open_prefix
+from core.estimator import TokenEstimator
+from core.items import HistoryItem
+from core.plan import ContextPlan
 
 
 class PrefixTimestampFault(SessionActivities):
-    """The bug ADR-0020 warns of: the clock appended to the platform policy, so every request's prefix
-    differs. The stability gate and the cache-break explainer must catch it (naming `platform.1.policy`)."""
+    """The bug ADR-0020 warns of: the clock appended to the platform policy when a request is built, so every
+    request's prefix differs. The stability gate and the cache-break explainer must catch it (naming
+    `platform.1.policy`)."""
 
-    @activity.defn(name=names.ACTIVITY_BUILD)
-    async def build_context(self, inp: BuildInput) -> BuildResult:
-        token = _clock.set(inp.now_iso)
-        try:
-            return await super().build_context(inp)
-        finally:
-            _clock.reset(token)
-
-    async def _prefix(self, session_id: str, epoch: int, cache: _SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
-        prefix, profile = await super()._prefix(session_id, epoch, cache)
-        clock = _clock.get()
-        if clock is None:
-            return prefix, profile
-        row = await self.store.get_prefix(session_id, epoch)
+    async def _plan(
+        self,
+        inp: BuildInput,
+        open_: SessionOpen,
+        secret: bytes,
+        cache: _SessionCache,
+        prefix: FrozenPrefix,
+        estimator: TokenEstimator,
+        user_item_id: str | None,
+    ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
+        row = await self.store.get_prefix(inp.session_id, inp.epoch)
         assert row is not None
         inputs = PrefixInputs.model_validate(row["inputs"])
-        stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {clock}."})
-        open_, secret, _ = await self._session(session_id)
-        estimator = TokenEstimator(profile, self.counter(profile.encoding))
-        budget = open_.context_budget(profile)
-        return open_prefix(stamped, budget=budget, estimator=estimator, secret=secret), profile
+        stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
+        budget = open_.context_budget(estimator.profile)
+        prefix = open_prefix(stamped, budget=budget, estimator=estimator, secret=secret)
+        return await super()._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
 
 
 class TaintOff(SessionActivities):
-    """Taint propagation switched off: replies are never tainted. The trust gates must fail with it."""
+    """Taint propagation switched off: replies and control-tool writes are never tainted. The trust gates must
+    fail with it."""
 
     def reply_tainted(self, plan: dict[str, Any]) -> bool:
+        return False
+
+    def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
         return False
