@@ -168,7 +168,7 @@ class SessionWorkflow:
         try:
             return await runner.run(turn, text=text, update_id=update_id)
         except (ActivityError, ChildWorkflowError) as exc:
-            raise _typed(exc, "TurnTooLarge") from exc
+            raise _retyped(exc, "TurnTooLarge")  # noqa: B904 (_retyped chains a new error to exc, never exc to itself)
 
     async def _turn_in_child(self, turn: int, text: str, update_id: str) -> TurnResult:
         """A turn of a long run, in a ChildRunWorkflow: its events go to a fresh history (ctxengine/bounds.py)."""
@@ -199,7 +199,9 @@ class SessionWorkflow:
         """A failed turn fails its update, typed, not the session: its unanswered tool calls get error results
         (so every later request stays valid) and the turn lock is released by the caller's `async with`."""
         cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, ApplicationError):
+        seen: set[int] = set()
+        while cause is not None and not isinstance(cause, ApplicationError) and id(cause) not in seen:
+            seen.add(id(cause))
             cause = cause.__cause__
         type_ = cause.type if isinstance(cause, ApplicationError) and cause.type else retries.TURN_FAILED
         message = cause.message if isinstance(cause, ApplicationError) else str(exc)
@@ -383,7 +385,7 @@ class SessionWorkflow:
             try:
                 opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
             except ActivityError as exc:
-                raise _typed(exc, "RotationRefused") from exc
+                raise _retyped(exc, "RotationRefused")  # noqa: B904 (_retyped chains a new error to exc, never exc to itself)
             self.open = new_open
             self.state.model_route = new_open.model_route
             self.state.removed_tools = removed
@@ -575,6 +577,15 @@ class SessionWorkflow:
                         SA_PREFIX.value_set(hashes[-1]),
                     ]
                 )
+
+
+def _retyped(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
+    """`exc` as `_typed` makes it, chained to it when it is a new error (never to itself: a failure whose cause
+    is itself would send the failed-turn handler round a cycle)."""
+    typed = _typed(exc, type_)
+    if typed is not exc:
+        typed.__cause__ = exc
+    return typed
 
 
 def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:

@@ -60,9 +60,9 @@ async def test_log_checks_catch_orphans_and_doubles(pg_dsn: str) -> None:
 async def test_inputs_gate_catches_a_wedging_worker(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """With the door left open and failures unclassified (patched in by the test, in this process only), a NUL
     turn holds its session past the gate's bound and the gate fails."""
-    import ctxengine.contract as contract
     from temporalio.worker import Interceptor
 
+    import contract.payloads as contract
     import worker as worker_module
 
     mp = pytest.MonkeyPatch()
