@@ -222,7 +222,8 @@ class SessionWorkflow:
         except ActivityError:
             pass  # the next turn's build seals it (activities/context.py `_seal_orphans`)
         self._publish()
-        return ApplicationError(f"turn {turn} failed: {message}", type=type_, non_retryable=True)
+        details = cause.details if isinstance(cause, ApplicationError) else ()
+        return ApplicationError(f"turn {turn} failed: {message}", *details, type=type_, non_retryable=True)
 
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
         """Continue the turn in a ChildRunWorkflow on a fresh body; adopt the state it returns."""
