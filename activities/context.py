@@ -78,6 +78,7 @@ from core.items import (
     AssistantMessage,
     HistoryItem,
     MemorySnapshotEntry,
+    Region,
     ToolCall,
     ToolResult,
     TrustLevel,
@@ -485,7 +486,9 @@ class SessionActivities(SessionActivityCalls):
         if len(hashes) > 1 and plan.prefix_sha256 != hashes[0]["prefix_sha256"]:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
             epoch_prefix, _ = await self._prefix(inp.session_id, inp.epoch, cache)
-            diff = first_difference(epoch_prefix.segments, prefix.segments)
+            # What the plan actually holds as Region A, against what the epoch stored.
+            sent = [seg for seg in plan.segments if seg.region is Region.A]
+            diff = first_difference(epoch_prefix.segments, sent)
             await self._event(
                 inp.session_id,
                 f"violation:{inp.epoch}:{plan.prefix_sha256}",
