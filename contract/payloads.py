@@ -25,7 +25,7 @@ DEFAULT_PLATFORM_POLICY = (
 
 
 # Tool-call caps (SessionOpen): defaults a real agent never reaches, and upper bounds that keep the worst turn
-# far inside Temporal's history limit (ctxengine/bounds.py proves it; docs/reliability.md states it).
+# far inside Temporal's history limit (contract/bounds.py proves it; docs/reliability.md states it).
 DEFAULT_TOOL_CALLS_PER_REPLY = 64
 DEFAULT_TOOL_CALLS_PER_TURN = 256
 MAX_TOOL_CALLS_PER_REPLY = 128

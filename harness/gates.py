@@ -106,7 +106,7 @@ async def live_stack(
     `adversarial`: the worker's `scripted` model is the adversarial one (ctxengine.adversarial_model).
     `activities_class`: a fault registered by a negative test (a subclass of the production activities).
     `wire`: the `openai` and `anthropic` routes use the real adapters against local protocol servers that
-    record every request body (ctxengine/protocol_servers.py); `wire_adapters` replaces an adapter class by
+    record every request body (harness/protocol_servers.py); `wire_adapters` replaces an adapter class by
     a negative test's subclass (`{"openai": FaultyAdapter}`).
     """
 
@@ -157,7 +157,7 @@ async def gate_stability(s: Stack) -> dict[str, Any]:
     """Fifty turns: the clock crosses midnight, a tool is revoked, memory written then corrected, compaction
     forced by a small window; once through the OpenAI adapter and once through the Anthropic adapter, against
     protocol servers that record the bodies. Exactly one distinct prefix_sha256 per session, read back from the
-    request records; and, read from the recorded bodies themselves (ctxengine/wire_gates.py), one wire prefix
+    request records; and, read from the recorded bodies themselves (harness/wire_gates.py), one wire prefix
     per epoch and no history break between consecutive requests that a yield or a compaction does not explain."""
     assert s.env is not None, "the stability gate runs on the time-skipping server (its clock crosses midnight)"
     assert s.wire is not None, "the stability gate drives the adapters against protocol servers (wire=True)"
@@ -469,7 +469,7 @@ async def gate_budget(
     routes: bool = True,
     scripts: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """Every turn fits or fails alone: the route sessions below, then the torture run (ctxengine/torture.py) of
+    """Every turn fits or fails alone: the route sessions below, then the torture run (harness/torture.py) of
     `examples` hypothesis-drawn sessions (derandomized unless `seed`). Passed when no request exceeded its
     limit, no session got stuck, every TurnTooLarge's sizes were checked, yields kept the ADR order, and
     reconciled routes never underestimated."""

@@ -633,7 +633,7 @@ async def _start_case(client: Client, task_queue: str, arg: Any, bound: float) -
     return "timed_out"
 
 
-# ------------------------------------------------------------------------ entries in ctxengine.gates.GATES
+# ------------------------------------------------------------------------ entries in harness.gates.GATES
 
 
 async def chaos_gate(s: Any) -> dict[str, Any]:

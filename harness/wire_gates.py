@@ -2,7 +2,7 @@
 
 Development harness (docs/events-and-metrics.md, "Hard gates"). Every check here reads an artefact the
 engine did not compute for the check: request bodies recorded by the protocol servers
-(ctxengine/protocol_servers.py), usage counted by those servers with their own tokenizer, or a prefix
+(harness/protocol_servers.py), usage counted by those servers with their own tokenizer, or a prefix
 re-rendered from its stored inputs. Each returns figures and the faults it found, named, so a negative test
 can assert that the gate failed for the reason it injected.
 """

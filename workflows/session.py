@@ -123,7 +123,7 @@ class SessionWorkflow:
         if limit is not None and self.state.turns - self.turns_at_start >= limit:
             return True
         if workflow.info().get_current_history_length() >= bounds.HISTORY_CONTINUE_AS_NEW:
-            return True  # our own bound, whatever the server's suggestion threshold (ctxengine/bounds.py)
+            return True  # our own bound, whatever the server's suggestion threshold (contract/bounds.py)
         return workflow.info().is_continue_as_new_suggested()
 
     # ------------------------------------------------------------ query
@@ -171,7 +171,7 @@ class SessionWorkflow:
             raise _retyped(exc, "TurnTooLarge")  # noqa: B904 (_retyped chains a new error to exc, never exc to itself)
 
     async def _turn_in_child(self, turn: int, text: str, update_id: str) -> TurnResult:
-        """A turn of a long run, in a ChildRunWorkflow: its events go to a fresh history (ctxengine/bounds.py)."""
+        """A turn of a long run, in a ChildRunWorkflow: its events go to a fresh history (contract/bounds.py)."""
         self.child = await workflow.start_child_workflow(
             ChildRunWorkflow.run,
             ChildRunInput(
@@ -520,7 +520,7 @@ class SessionWorkflow:
             raise ApplicationError("the session failed to open", type="SessionNotOpen")
 
     def _validate_room(self) -> None:
-        """Refused while the run's history is long and waits to continue as new (ctxengine/bounds.py)."""
+        """Refused while the run's history is long and waits to continue as new (contract/bounds.py)."""
         if workflow.info().get_current_history_length() >= bounds.HISTORY_ADMIT_LIMIT:
             raise ValueError("the session is continuing as new (its history is long); retry in a few seconds")
 

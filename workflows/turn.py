@@ -41,7 +41,7 @@ RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
-    # Bounded, and no retry for data or programming errors (ctxengine/retries.py, docs/reliability.md).
+    # Bounded, and no retry for data or programming errors (contract/retries.py, docs/reliability.md).
     maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
     non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )

@@ -196,8 +196,8 @@ _MARKDOWN_PACKAGES = (
     "anthropic",
     "httpx",
 )
-_REPO_CODE_DIRS = ("core", "activities", "workflows", "ctxengine", "bench")
-_ADVERSARIAL = {"ctxengine/attack_corpus.py"}
+_REPO_CODE_DIRS = ("core", "contract", "activities", "workflows", "services", "ctxengine", "harness", "harness/bench")
+_ADVERSARIAL = {"harness/attack_corpus.py"}
 
 
 def html_corpus() -> list[str]:

@@ -1,4 +1,4 @@
-"""The wire observers that gate_budget and gate_pairs call (ctxengine/wire_gates.py), on the live stack with the
+"""The wire observers that gate_budget and gate_pairs call (harness/wire_gates.py), on the live stack with the
 real adapters against the protocol servers; and the pairs observer catching a fault injected by the harness."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The local protocol servers the adapters' tests use: they live in ctxengine/protocol_servers.py (the gates
+"""The local protocol servers the adapters' tests use: they live in harness/protocol_servers.py (the gates
 drive the adapters against them too); this module keeps the tests' import path."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The gates' independent observers (ctxengine/wire_gates.py) against sessions driven through the real adapters
-and the scripted protocol servers (ctxengine/protocol_servers.py), without Temporal; each with the fault it
+"""The gates' independent observers (harness/wire_gates.py) against sessions driven through the real adapters
+and the scripted protocol servers (harness/protocol_servers.py), without Temporal; each with the fault it
 must catch, injected here in the harness (an adapter subclass, an estimator, a renderer), never by a switch
 production code reads."""
 

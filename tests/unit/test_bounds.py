@@ -1,4 +1,4 @@
-"""The history bound and the failure classes (ctxengine/bounds.py, activities/failures.py)."""
+"""The history bound and the failure classes (contract/bounds.py, activities/failures.py)."""
 
 from __future__ import annotations
 
