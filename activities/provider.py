@@ -96,7 +96,7 @@ class ModelProvider(Protocol):
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
 _SLEEP = re.compile(r"^/sleep\s+([0-9]+(?:\.[0-9]+)?)\s*$", re.MULTILINE)
 MAX_SCRIPTED_SLEEP = 30.0
-_CONVERSATION = frozenset(
+CONVERSATION_KINDS = frozenset(
     {
         "current_message",
         "user_message",
@@ -144,7 +144,7 @@ class ScriptedProvider:
     async def complete(self, request: ProviderRequest) -> ProviderReply:
         segs = request.segments
         # The conversation, without per-request context (recall, corrections, working state, the clock).
-        convo = [s for s in segs if s.kind in _CONVERSATION]
+        convo = [s for s in segs if s.kind in CONVERSATION_KINDS]
         last = convo[-1] if convo else None
         calls: list[ProviderToolCall] = []
         if last is not None and last.kind == "current_message":

@@ -19,6 +19,7 @@ import json
 import re
 
 from activities.provider import (
+    CONVERSATION_KINDS,
     ProviderReply,
     ProviderRequest,
     ProviderSegment,
@@ -30,17 +31,6 @@ from activities.provider import (
 from core.rendering import parse_envelopes
 from core.working_state import CONTROL_TOOL_NAME
 
-_CONVERSATION = frozenset(
-    {
-        "current_message",
-        "user_message",
-        "assistant_message",
-        "tool_call",
-        "tool_result",
-        "elided_span",
-        "checkpoint_summary",
-    }
-)
 _SENTENCE = re.compile(r"[^\n]{8,300}?[.!?](?=\s|$)")
 _TAGS = re.compile(r"<[^<>\n]{0,200}>")
 
@@ -59,7 +49,7 @@ class AdversarialProvider(ScriptedProvider):
     """The scripted provider's directives (`/call`, `/sleep`), plus quoting and obedience (module docstring)."""
 
     async def complete(self, request: ProviderRequest) -> ProviderReply:
-        convo = [s for s in request.segments if s.kind in _CONVERSATION]
+        convo = [s for s in request.segments if s.kind in CONVERSATION_KINDS]
         last = convo[-1] if convo else None
         if last is None or last.kind == "current_message":
             return await super().complete(request)
