@@ -30,10 +30,10 @@ from temporalio.runtime import (
 from temporalio.worker import Interceptor, Worker
 
 from activities.compaction import CompactionActivities
-from activities.context import SessionActivities
 from activities.failures import FailureInterceptor
 from activities.provider import ModelProvider
 from activities.providers import build_providers
+from activities.session import SessionActivities
 from activities.store import Store
 from activities.tools import Executor
 from contract import names
@@ -155,7 +155,7 @@ async def running_worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=[*activities.all(), *CompactionActivities(activities).all()],
+        activities=[*activities.all(), *CompactionActivities(activities.state).all()],
         max_cached_workflows=max_cached_workflows,
         interceptors=[FailureInterceptor(), *interceptors],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,

@@ -22,8 +22,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from activities.context import SessionActivities
 from activities.rebuild import rebuild_session
+from activities.session import SessionActivities
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import DEMO_TOOLS, EXECUTORS, ToolOutput
