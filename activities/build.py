@@ -96,7 +96,7 @@ class BuildActivities(BuildCalls):
             plan=plan.summary().model_dump(mode="json"),
             inputs=inputs,
         )
-        if len(hashes) > 1 and plan.prefix_sha256 != hashes[0]["prefix_sha256"]:
+        if len(hashes) > 1 and plan.prefix_sha256 != hashes[0].prefix_sha256:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
             epoch_prefix, _ = await state.prefix(inp.session_id, inp.epoch, cache)
             # What the plan actually holds as Region A, against what the epoch stored.
@@ -155,9 +155,9 @@ class BuildActivities(BuildCalls):
             max_seq=items[-1].seq if items else -1,
             user_item_id=user_item_id,
             checkpoint_id=checkpoint.checkpoint_id if checkpoint else None,
-            recall=[StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"]) for r in recall_rows],
+            recall=[StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust) for r in recall_rows],
             corrections=[
-                StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+                StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust, corrects=r.corrects)
                 for r in correction_rows
             ],
             working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",

@@ -144,7 +144,7 @@ class CompactionActivities(CompactionActivityCalls):
         rows = await self.store.summaries(inp.session_id, inp.checkpoint_id)
         if len(rows) != len(plan.chunks):
             raise ApplicationError(f"{len(plan.chunks) - len(rows)} chunk summaries missing", type="Incomplete")
-        parts = ([plan.previous_summary] if plan.previous_summary else []) + [r["summary"] for r in rows]
+        parts = ([plan.previous_summary] if plan.previous_summary else []) + [r.summary for r in rows]
         checkpoint = Checkpoint(
             checkpoint_id=inp.checkpoint_id,
             parent_id=plan.parent_id,
@@ -206,7 +206,7 @@ class CompactionActivities(CompactionActivityCalls):
         _, (_, counter, _) = await self._context(inp.session_id)
         writes = [WorkingStateWrite.model_validate(w) for w in await self.store.working_state_writes(inp.session_id)]
         state = fold(writes, count=counter.count, upto_turn=inp.turn + 1)
-        decided = {r["fact_id"] for r in await self.store.candidates(inp.session_id)}
+        decided = {r.fact_id for r in await self.store.candidates(inp.session_id)}
         known = await self.store.memory_texts(inp.scope)
         written = 0
         rejected: dict[str, int] = {}

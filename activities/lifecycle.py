@@ -42,7 +42,7 @@ class LifecycleActivities(SessionLifecycleCalls):
             secret = await self._claim(inp)
         existing = await store.get_prefix(inp.session_id, inp.epoch)
         if existing is not None:  # a retry, or a rotation replayed: the stored prefix is the truth
-            return self._result(inp, FrozenPrefix.model_validate(existing["prefix"]))
+            return self._result(inp, FrozenPrefix.model_validate(existing.prefix))
         try:
             budget = inp.open.context_budget()
         except ValidationError as exc:
@@ -63,7 +63,7 @@ class LifecycleActivities(SessionLifecycleCalls):
             operator_tool(t.name, t.description, t.input_schema) for t in inp.open.tools if t.name not in inp.revoked
         ]
         snapshot = [
-            MemorySnapshotEntry(id=f"memory.{r['memory_id']}", memory_id=r["memory_id"], text=r["text"])
+            MemorySnapshotEntry(id=f"memory.{r.memory_id}", memory_id=r.memory_id, text=r.text)
             for r in await store.snapshot_memories(inp.open.memory_scope, budget.memory_snapshot_max_items)
         ]
         estimator = TokenEstimator(profile, state.counter(profile.encoding))
@@ -117,7 +117,7 @@ class LifecycleActivities(SessionLifecycleCalls):
         )
         stored = await store.get_prefix(inp.session_id, inp.epoch)
         assert stored is not None
-        prefix = FrozenPrefix.model_validate(stored["prefix"])
+        prefix = FrozenPrefix.model_validate(stored.prefix)
         if inp.epoch == 1:
             await state.event(
                 inp.session_id,
@@ -142,12 +142,12 @@ class LifecycleActivities(SessionLifecycleCalls):
     async def _claim(self, inp: OpenInput) -> bytes:
         """One owner per session id: refuse an id whose session opened before (SessionIdTaken)."""
         assert inp.owner is not None
-        row, owned = await self.state.store.claim_session(
+        claim = await self.state.store.claim_session(
             inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32), inp.owner
         )
-        if not owned:
-            opened = row["created_at"].isoformat(timespec="seconds")
-            closed = row["closed_at"].isoformat(timespec="seconds") if row["closed_at"] else None
+        if not claim.owned:
+            opened = claim.created_at.isoformat(timespec="seconds")
+            closed = claim.closed_at.isoformat(timespec="seconds") if claim.closed_at else None
             raise ApplicationError(
                 f"session id {inp.session_id!r} is taken: its session opened at {opened} and "
                 + (f"closed at {closed}" if closed else "was never closed")
@@ -157,7 +157,7 @@ class LifecycleActivities(SessionLifecycleCalls):
                 non_retryable=True,
             )
         self.state.forget(inp.session_id)  # a replaced unopened session: nothing cached survives
-        return bytes(row["secret"])
+        return claim.secret
 
     @activity.defn(name=names.ACTIVITY_SEAL_TURN)
     async def seal_turn(self, inp: SealTurnInput) -> int:
@@ -183,7 +183,7 @@ async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, rea
     unanswered = [i for i in items if isinstance(i, ToolCall) and i.call_id not in answered]
     if not unanswered:
         return 0
-    rows = {r["payload"]["id"]: r["turn"] for r in await state.store.load_items(session_id)}
+    rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id)}
     orphans = [i for i in unanswered if rows.get(i.id, 0) <= upto_turn]
     for call in orphans:
         await state.store.append_items(

@@ -53,7 +53,7 @@ class MemoryActivities(MemoryCalls):
                 non_retryable=True,
             )
         taken = await store.get_memory(inp.scope, memory_id)
-        if taken is not None and (taken["text"], taken["source_session"], taken["corrects"]) != (
+        if taken is not None and (taken.text, taken.source_session, taken.corrects) != (
             inp.write.text,
             inp.session_id,
             inp.write.corrects,

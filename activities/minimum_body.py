@@ -32,7 +32,7 @@ async def check_route_fits(
     """A rotation to another model route: the minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the
     working state, corrections, the clock) must fit under the new route's estimate, or it is refused."""
     previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
-    if previous is None or ModelProfile.model_validate(previous["profile"]).route == estimator.profile.route:
+    if previous is None or ModelProfile.model_validate(previous.profile).route == estimator.profile.route:
         return
     message = UserMessage(id="u:route-check", seq=0, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
     try:
@@ -115,7 +115,7 @@ async def _build_minimum(
         user_item_id=message.id,
         checkpoint_id=None,
         corrections=[
-            StoredMemory(memory_id=r["memory_id"], text=r["text"], trust=r["trust"], corrects=r["corrects"])
+            StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust, corrects=r.corrects)
             for r in correction_rows
         ],
         working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",

@@ -44,7 +44,7 @@ class ModelCallActivities(ModelCalls):
         state, store = self.state, self.state.store
         open_, _, cache = await state.session(inp.session_id)
         record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
-        if record is None or record["request_sha256"] != inp.request_sha256:
+        if record is None or record.request_sha256 != inp.request_sha256:
             raise ApplicationError(
                 f"no stored request {inp.request_sha256} for turn {inp.turn}",
                 type="UnknownRequest",
@@ -53,14 +53,14 @@ class ModelCallActivities(ModelCalls):
         prefix, epoch_profile = await state.prefix(inp.session_id, inp.epoch, cache)
         base = f"t{inp.turn}.m{inp.call_index}."
         logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
-        if logged and record["actual_input_tokens"] is not None:
+        if logged and record.actual_input_tokens is not None:
             # A retry after the reply was stored: never ask the model twice for one request.
             return _model_result(
                 logged,
-                record["actual_input_tokens"],
-                record["cached_tokens"] or 0,
-                record["output_tokens"] or 0,
-                record["estimated_tokens"],
+                record.actual_input_tokens,
+                record.cached_tokens or 0,
+                record.output_tokens or 0,
+                record.estimated_tokens,
                 overrun=None,
             )
         built = cache.built.get(inp.request_sha256)
@@ -70,7 +70,7 @@ class ModelCallActivities(ModelCalls):
             stored = await store.get_request(inp.request_sha256)
             assert stored is not None
             segments = [cache.provider_of(s) for s in prefix.segments]
-            segments += [provider_segment(s) for s in stored["body"]]
+            segments += [provider_segment(s) for s in stored.body]
         provider = state.providers.get(epoch_profile.provider)
         if provider is None:
             raise ApplicationError(
@@ -88,7 +88,7 @@ class ModelCallActivities(ModelCalls):
             segments=segments,
             tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
             usage_ratio=open_.model_route.scripted_usage_ratio,
-            estimated_tokens=record["estimated_tokens"],
+            estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
         reply = await _heartbeating(_within_attempt(provider.complete(request)))
@@ -104,7 +104,7 @@ class ModelCallActivities(ModelCalls):
             output=reply.usage.output_tokens,
         )
         # Everything the model wrote in reply to a request with untrusted content in view may repeat or obey it.
-        tainted = self.reply_tainted(record["plan"])
+        tainted = self.reply_tainted(record.plan)
         new_items: list[dict[str, Any]] = []
         if reply.text:
             new_items.append(
@@ -153,10 +153,11 @@ class ModelCallActivities(ModelCalls):
         logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
         record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
         assert record is not None
-        actual = record["actual_input_tokens"]
+        actual = record.actual_input_tokens
+        assert actual is not None  # filled by record_usage above (or by an earlier attempt's)
         profile = await state.profile(epoch_profile)
         learned, rec = reconcile(
-            profile, raw_tokens=record["raw_tokens"], estimated_tokens=record["estimated_tokens"], actual_tokens=actual
+            profile, raw_tokens=record.raw_tokens, estimated_tokens=record.estimated_tokens, actual_tokens=actual
         )
         await store.learn_calibration(profile.route, observed=rec.observed_ratio, first=learned.calibration)
         await state.event(
@@ -167,19 +168,19 @@ class ModelCallActivities(ModelCalls):
             inp.epoch,
             {
                 **rec.model_dump(mode="json"),
-                "cached_tokens": record["cached_tokens"] or 0,
+                "cached_tokens": record.cached_tokens or 0,
                 # the first request of an epoch writes the cache; later ones reuse the whole prefix
                 "prefix_tokens_reused": 0
                 if (inp.turn, inp.call_index) == (1, 0)
-                else min(record["plan"]["prefix_tokens"], actual),
+                else min(record.plan["prefix_tokens"], actual),
             },
         )
         return _model_result(
             logged,
             actual,
-            record["cached_tokens"] or 0,
-            record["output_tokens"] or 0,
-            record["estimated_tokens"],
+            record.cached_tokens or 0,
+            record.output_tokens or 0,
+            record.estimated_tokens,
             overrun=rec.overrun,
         )
 
@@ -189,8 +190,8 @@ class ModelCallActivities(ModelCalls):
         distinct = await self.state.store.record_wire_prefix(
             inp.session_id, inp.turn, inp.call_index, epoch=inp.epoch, sha256=wire.sha256, text=wire.text
         )
-        if len(distinct) > 1 and wire.sha256 != distinct[0]["sha256"]:
-            diff = first_wire_difference(distinct[0]["text"], wire.text)
+        if len(distinct) > 1 and wire.sha256 != distinct[0].sha256:
+            diff = first_wire_difference(distinct[0].text, wire.text)
             await self.state.event(
                 inp.session_id,
                 f"violation:{inp.epoch}:wire:{wire.sha256}",
@@ -199,7 +200,7 @@ class ModelCallActivities(ModelCalls):
                 inp.epoch,
                 {
                     "observer": "wire",
-                    "expected": distinct[0]["sha256"],
+                    "expected": distinct[0].sha256,
                     "got": wire.sha256,
                     "distinct_in_epoch": len(distinct),
                     "first_difference": diff.model_dump() if diff else None,

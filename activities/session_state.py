@@ -121,21 +121,21 @@ class SessionState:
         if row is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
         cache = self._sessions.get(session_id)
-        if cache is None or cache.secret != bytes(row["secret"]):
-            cache = SessionCache(bytes(row["secret"]))
+        if cache is None or cache.secret != row.secret:
+            cache = SessionCache(row.secret)
             self._sessions[session_id] = cache
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         if cache.open is None:
-            cache.open = SessionOpen.model_validate(row["open"])
+            cache.open = SessionOpen.model_validate(row.open)
         return cache.open, cache.secret, cache
 
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
         rows = await self.store.load_items(session_id, cache.max_seq)
         for row in rows:
-            cache.items.append(parse_history_item(row["payload"]))
-            cache.max_seq = row["seq"]
+            cache.items.append(parse_history_item(row.payload))
+            cache.max_seq = row.seq
         return cache.items
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
@@ -148,8 +148,8 @@ class SessionState:
                     non_retryable=True,
                 )
             cache.prefixes[epoch] = (
-                FrozenPrefix.model_validate(row["prefix"]),
-                ModelProfile.model_validate(row["profile"]),
+                FrozenPrefix.model_validate(row.prefix),
+                ModelProfile.model_validate(row.profile),
             )
         return cache.prefixes[epoch]
 

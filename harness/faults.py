@@ -37,7 +37,7 @@ class TimestampedPrefixBuild(BuildActivities):
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
         row = await self.state.store.get_prefix(inp.session_id, inp.epoch)
         assert row is not None
-        inputs = PrefixInputs.model_validate(row["inputs"])
+        inputs = PrefixInputs.model_validate(row.inputs)
         stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
         budget = open_.context_budget(estimator.profile)
         prefix = open_prefix(stamped, budget=budget, estimator=estimator, secret=secret)

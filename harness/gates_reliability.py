@@ -100,12 +100,12 @@ async def log_figures(store: Store, session_ids: list[str]) -> dict[str, int]:
         texts: dict[tuple[int, str], int] = {}
         calls: dict[str, int] = {}
         results: dict[str, int] = {}
-        for r in rows:
-            p = r["payload"]
+        for row in rows:
+            p = row.payload
             if p["kind"] == "user_message":
-                users[r["turn"]] = users.get(r["turn"], 0) + 1
+                users[row.turn] = users.get(row.turn, 0) + 1
             elif p["kind"] == "assistant_message":
-                key = (r["turn"], p["id"].split(".")[1] if p["id"].count(".") >= 2 else p["id"])
+                key = (row.turn, p["id"].split(".")[1] if p["id"].count(".") >= 2 else p["id"])
                 texts[key] = texts.get(key, 0) + 1
             elif p["kind"] == "tool_call":
                 calls[p["call_id"]] = calls.get(p["call_id"], 0) + 1
@@ -116,12 +116,12 @@ async def log_figures(store: Store, session_ids: list[str]) -> dict[str, int]:
         figures["items_duplicated"] += sum(n - 1 for n in [*calls.values(), *results.values()] if n > 1)
         figures["unpaired_tool_items"] += len(set(calls) ^ set(results))
         records = await store.records(sid)
-        keys = [(r["turn"], r["call_index"]) for r in records]
+        keys = [(r.turn, r.call_index) for r in records]
         figures["records_duplicated"] += len(keys) - len(set(keys))
-        figures["records_without_usage"] += sum(1 for r in records if r["actual_input_tokens"] is None)
+        figures["records_without_usage"] += sum(1 for r in records if r.actual_input_tokens is None)
         by_epoch: dict[int, set[str]] = {}
         for r in records:
-            by_epoch.setdefault(r["epoch"], set()).add(r["prefix_sha256"])
+            by_epoch.setdefault(r.epoch, set()).add(r.prefix_sha256)
         figures["sessions_with_several_prefix_hashes"] += int(any(len(v) > 1 for v in by_epoch.values()))
     return figures
 
@@ -463,8 +463,8 @@ def _draw(strategy: Any) -> Any:
 
 
 async def _stored(store: Store, session_id: str) -> tuple[Any, ...]:
-    items = [(r["seq"], r["payload"]["id"]) for r in await store.load_items(session_id)]
-    records = [(r["turn"], r["call_index"], r["actual_input_tokens"]) for r in await store.records(session_id)]
+    items = [(r.seq, r.payload["id"]) for r in await store.load_items(session_id)]
+    records = [(r.turn, r.call_index, r.actual_input_tokens) for r in await store.records(session_id)]
     memories = await store.pool.fetchval("SELECT count(*) FROM memories")
     ws = len(await store.working_state_writes(session_id))
     return items, records, memories, ws
