@@ -52,13 +52,22 @@ class LifecycleActivities(SessionLifecycleCalls):
                 type="InvalidSessionOpen",
                 non_retryable=True,
             ) from exc
-        profile = await state.profile(inp.open.model_route.profile())
-        if profile.provider not in state.providers:  # refused at open, not at every later turn
+        route = inp.open.model_route
+        provider = state.providers.get(route.provider)
+        if provider is None:  # refused at open, not at every later turn
             raise ApplicationError(
-                f"model_route.provider: {profile.provider!r} is not configured on this worker",
+                f"model_route.provider: {route.provider!r} is not configured on this worker",
                 type="ProviderNotConfigured",
                 non_retryable=True,
             )
+        try:  # the provider's options, and what they say of the route's profile (a published usage ratio)
+            published = provider.route_profile(route.profile(), route.provider_options)
+        except ValueError as exc:
+            reason = _first_error(exc)
+            raise ApplicationError(
+                f"model_route.provider_options{reason}", type="InvalidSessionOpen", non_retryable=True
+            ) from exc
+        profile = await state.profile(published)
         tools = [
             operator_tool(t.name, t.description, t.input_schema) for t in inp.open.tools if t.name not in inp.revoked
         ]
@@ -172,6 +181,14 @@ class LifecycleActivities(SessionLifecycleCalls):
 
     def all(self) -> list[Any]:
         return [self.open_session, self.seal_turn, self.close_session]
+
+
+def _first_error(exc: ValueError) -> str:
+    """`.usage_ratio: Input should be greater than 0`, or `: <message>` for an error not from pydantic."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return "".join(f".{p}" for p in first["loc"]) + f": {first['msg']}"
+    return f": {exc}"
 
 
 async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, reason: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from core.budget import ContextBudget
 from core.estimator import DEFAULT_PROFILES, ModelProfile
@@ -102,8 +102,21 @@ class ModelRoute(_Input):
     encoding: str | None = None
     context_window: int | None = Field(default=None, gt=0)
     min_cacheable_tokens: int | None = Field(default=None, ge=0)
-    # The scripted provider reports usage as count x this ratio, to stand in for another tokenizer.
-    scripted_usage_ratio: float = Field(default=1.0, gt=0)
+    # Options only the route's provider reads, checked by that provider when a session opens on the route (an
+    # option it does not take refuses the open): the scripted provider's are `activities.provider.ScriptedOptions`.
+    provider_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recorded_usage_ratio(cls, data: Any) -> Any:
+        """Histories recorded before `provider_options` carry the scripted provider's ratio as a route field
+        (`scripted_usage_ratio`, 1.0 in every one of tests/histories): read it as that provider's option."""
+        if isinstance(data, dict) and "scripted_usage_ratio" in data:
+            data = dict(data)
+            ratio = data.pop("scripted_usage_ratio")
+            if ratio != 1.0 and "provider_options" not in data:
+                data["provider_options"] = {"usage_ratio": ratio}
+        return data
 
     def profile(self) -> ModelProfile:
         base = DEFAULT_PROFILES.get(self.provider, DEFAULT_PROFILES["scripted"])
@@ -116,8 +129,6 @@ class ModelRoute(_Input):
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
         elif self.provider == "anthropic":
             update["min_cacheable_tokens"] = anthropic_min_cacheable(self.model)
-        if self.provider == "scripted":  # its published ratio: a new route never starts below it
-            update["calibration"] = max(base.calibration, self.scripted_usage_ratio)
         return base.model_copy(update=update)
 
 

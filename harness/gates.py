@@ -515,7 +515,11 @@ async def _budget_routes(s: Stack) -> dict[str, Any]:
     for ratio in (1.0, 1.2, 1.45):
         for window in (6_000, 12_000):
             sessions += 1
-            route = {"provider": "scripted", "model": f"budget-{run}-r{ratio}", "scripted_usage_ratio": ratio}
+            route = {
+                "provider": "scripted",
+                "model": f"budget-{run}-r{ratio}",
+                "provider_options": {"usage_ratio": ratio},
+            }
             handle = await s.start(
                 _open(model_route=route, budget={"context_window": window, "output_reserve": 800}), "budget"
             )

@@ -255,8 +255,12 @@ class _Run:
 
     async def run(self) -> None:
         sc = self.script
-        route = {"provider": "scripted", "model": f"torture-{sc.seed}", "scripted_usage_ratio": sc.ratio}
-        route["context_window"] = sc.window
+        route: dict[str, Any] = {
+            "provider": "scripted",
+            "model": f"torture-{sc.seed}",
+            "provider_options": {"usage_ratio": sc.ratio},
+            "context_window": sc.window,
+        }
 
         handle = await self.s.start(
             _open(
@@ -288,7 +292,9 @@ class _Run:
             if op.kind == "rotate":
                 rotations += 1
                 new_route = ModelRoute(
-                    model=f"torture-{sc.seed}-r{rotations}", scripted_usage_ratio=sc.ratio, context_window=op.size
+                    model=f"torture-{sc.seed}-r{rotations}",
+                    provider_options={"usage_ratio": sc.ratio},
+                    context_window=op.size,
                 )
                 try:
                     await handle.execute_update(
