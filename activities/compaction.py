@@ -46,7 +46,7 @@ class CompactionActivities(CompactionActivityCalls):
 
     async def _context(self, session_id: str) -> tuple[Any, Any]:
         open_, _, cache = await self.state.session(session_id)
-        profile = open_.model_route.profile()
+        profile = open_.route.profile()
         return open_, (cache, self.state.counter(profile.encoding), profile)
 
     def _chunk_tokens(self, context_window: int) -> int:

@@ -36,6 +36,14 @@ class LifecycleActivities(SessionLifecycleCalls):
     async def open_session(self, inp: OpenInput) -> OpenResult:
         """Pin the tool set and memory snapshot, measure the prefix exactly, store it for the epoch."""
         state, store = self.state, self.state.store
+        if inp.open.model_route is None and not state.scripted_by_default:  # before anything is stored
+            raise ApplicationError(
+                "model_route: required on this worker: name the provider and model that serve the session "
+                '(e.g. {"provider": "openai", "model": "gpt-4o"}); only a worker on the embedded dev services '
+                "gives a session without one the scripted model",
+                type="ModelRouteRequired",
+                non_retryable=True,
+            )
         if inp.owner is None:  # scheduled by a run that predates session owners
             secret = await store.create_session(inp.session_id, inp.open.model_dump(mode="json"), os.urandom(32))
         else:
@@ -52,7 +60,7 @@ class LifecycleActivities(SessionLifecycleCalls):
                 type="InvalidSessionOpen",
                 non_retryable=True,
             ) from exc
-        route = inp.open.model_route
+        route = inp.open.route
         provider = state.providers.get(route.provider)
         if provider is None:  # refused at open, not at every later turn
             raise ApplicationError(

@@ -87,7 +87,7 @@ class ModelCallActivities(ModelCalls):
             request_sha256=inp.request_sha256,
             segments=segments,
             tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
-            options=open_.model_route.provider_options,
+            options=open_.route.provider_options,
             estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )

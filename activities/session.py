@@ -40,9 +40,14 @@ class SessionActivities:
         search_attributes: bool = False,
         max_sessions_cached: int = 512,
         executors: Mapping[str, Executor] | None = None,
+        scripted_by_default: bool = False,
     ) -> None:
         self.state = SessionState(
-            store, providers, search_attributes=search_attributes, max_sessions_cached=max_sessions_cached
+            store,
+            providers,
+            search_attributes=search_attributes,
+            max_sessions_cached=max_sessions_cached,
+            scripted_by_default=scripted_by_default,
         )
         self.lifecycle = self.lifecycle_family(self.state)
         self.build = self.build_family(self.state)

@@ -99,10 +99,14 @@ class SessionState:
         *,
         search_attributes: bool = False,
         max_sessions_cached: int = 512,
+        scripted_by_default: bool = False,
     ) -> None:
         self.store = store
         self.providers = providers
         self.search_attributes = search_attributes
+        # Whether a session that names no model_route gets the scripted model (the embedded dev services
+        # only); otherwise it is refused at open.
+        self.scripted_by_default = scripted_by_default
         self._counters: dict[str, TiktokenCounter] = {}
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
         self._max_sessions = max_sessions_cached

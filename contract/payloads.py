@@ -162,7 +162,9 @@ class SessionOpen(_Input):
     platform_policy: str = DEFAULT_PLATFORM_POLICY
     tools: list[ToolSpec] = Field(default_factory=list)
     grants: list[str] | None = None  # None: every pinned tool is granted
-    model_route: ModelRoute = Field(default_factory=ModelRoute)
+    # None: the caller named no route. Only a worker on the embedded dev services serves such a session (with
+    # the scripted model, `route`); any other worker refuses it at open (ModelRouteRequired).
+    model_route: ModelRoute | None = None
     # overrides of ContextBudget fields; validated with the route even when empty (a route window may be too small)
     budget: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     memory_scope: str = "default"
@@ -176,20 +178,24 @@ class SessionOpen(_Input):
     carried: SessionState | None = None
     carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
 
+    @property
+    def route(self) -> ModelRoute:
+        """The route the session runs on: `model_route`, or the scripted model when the caller named none."""
+        return self.model_route or ModelRoute()
+
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
         """The budget for a route: its window, with this session's overrides on top (validated together, so a
         small route window with a smaller reserve override is a valid budget)."""
-        window = (profile or self.model_route.profile()).context_window
+        window = (profile or self.route.profile()).context_window
         return ContextBudget.model_validate({"context_window": window, **self.budget})
 
     @field_validator("budget", mode="after")
     @classmethod
     def _budget_fits_route(cls, budget: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Route and budget are checked together at the door; the error names the budget field."""
-        route = info.data.get("model_route")
-        if route is None:
+        if "model_route" not in info.data:  # the route itself did not validate
             return budget
-        window = route.profile().context_window
+        window = (info.data["model_route"] or ModelRoute()).profile().context_window
         try:
             ContextBudget.model_validate({"context_window": window, **budget})
         except ValidationError as exc:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from contract import names
-from contract.payloads import RevokeTool, SessionState, WriteMemory
+from contract.payloads import ModelRoute, RevokeTool, SessionOpen, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -197,3 +199,24 @@ async def test_bad_start_input_fails_with_the_field(temporal_client: Client, pg_
         with pytest.raises(WorkflowFailureError) as info:
             await handle.result()
         assert "budget.output_reserve" in str(info.value.cause)
+
+
+async def test_a_session_without_a_model_route(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A session that names no model_route fails at open on a worker that is not on the embedded services
+    (typed, non-retryable, naming the field, nothing stored); a worker on them gives it the scripted model."""
+    unrouted = SessionOpen.model_validate(session_open().model_dump(exclude={"model_route"}))
+    assert unrouted.model_route is None
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, unrouted)
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(handle.result(), timeout=30)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "ModelRouteRequired" and cause.non_retryable
+        assert cause.message.startswith("session failed to open: model_route: required on this worker")
+        assert await store.get_session(handle.id) is None
+    embedded_queue = f"{task_queue}-embedded"
+    async with stack(temporal_client, pg_dsn, embedded_queue, embedded_services=True):
+        handle = await start(temporal_client, embedded_queue, unrouted)
+        assert (await turn(handle, "hello")).turn == 1
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.model_route == ModelRoute(provider="scripted", model="scripted-1")
