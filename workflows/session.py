@@ -220,7 +220,7 @@ class SessionWorkflow:
                 summary=f"seal failed turn {turn}",
             )
         except ActivityError:
-            pass  # the next turn's build seals it (activities/context.py `_seal_orphans`)
+            pass  # the next turn's build seals it (activities/lifecycle.py `seal_orphans`)
         self._publish()
         details = cause.details if isinstance(cause, ApplicationError) else ()
         return ApplicationError(f"turn {turn} failed: {message}", *details, type=type_, non_retryable=True)
