@@ -30,10 +30,10 @@ from temporalio.runtime import (
 from temporalio.worker import Interceptor, Worker
 
 from activities.compaction import CompactionActivities
-from activities.context import SessionActivities
 from activities.failures import FailureInterceptor
 from activities.provider import ModelProvider
 from activities.providers import build_providers
+from activities.session import SessionActivities
 from activities.store import Store
 from activities.tools import Executor
 from contract import names
@@ -139,23 +139,27 @@ async def running_worker(
     executors: Mapping[str, Executor] | None = None,
     activities_class: type[SessionActivities] = SessionActivities,
     interceptors: Sequence[Interceptor] = (),
+    embedded_services: bool = False,
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit.
 
     `providers`, `executors`, `activities_class` and `interceptors` are how the development harness registers
-    its adversarial models, tools and faults (production passes none of them).
+    its adversarial models, tools and faults (production passes none of them). `embedded_services`: the worker
+    runs on the embedded dev server and PostgreSQL, where a session that names no `model_route` gets the
+    scripted model; any other worker refuses such a session at open (ModelRouteRequired).
     """
     activities = activities_class(
         store,
         {**build_providers(), **(providers or {})},
         search_attributes=await search_attributes_registered(client),
         executors=executors,
+        scripted_by_default=embedded_services,
     )
     worker = Worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=[*activities.all(), *CompactionActivities(activities).all()],
+        activities=[*activities.all(), *CompactionActivities(activities.state).all()],
         max_cached_workflows=max_cached_workflows,
         interceptors=[FailureInterceptor(), *interceptors],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
@@ -202,15 +206,20 @@ async def main() -> None:
         store = await with_backoff("postgresql", lambda: stack.enter_async_context(Store.from_dsn(dsn)))
         version = await with_backoff("postgresql", store.migrate)
         task_queue = config.task_queue
+        # On the embedded dev stack alone, a session that names no model route gets the scripted model.
+        embedded = not config.temporal_address and not config.database_url
         log.info(
             "worker.starting",
             metrics=None if metrics == "off" else f"http://{metrics}/metrics",
             temporal=address,
             task_queue=task_queue,
             schema_version=version,
+            embedded_services=embedded,
             pid=os.getpid(),
         )
-        async with running_worker(client, store, task_queue=task_queue, interceptors=tracing_interceptors()):
+        async with running_worker(
+            client, store, task_queue=task_queue, interceptors=tracing_interceptors(), embedded_services=embedded
+        ):
             await asyncio.Event().wait()
 
 

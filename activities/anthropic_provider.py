@@ -49,9 +49,11 @@ from activities.provider import (
     ProviderToolCall,
     ProviderUsage,
     SummaryRequest,
+    takes_no_options,
 )
 from activities.wire import wire_prefix
 from contract.settings import settings
+from core.estimator import ModelProfile
 
 ENV_API_KEY = "ANTHROPIC_API_KEY"
 ENV_BASE_URL = "ANTHROPIC_BASE_URL"
@@ -206,6 +208,9 @@ class AnthropicProvider:
         if timeout is not None:
             options["timeout"] = timeout
         self.client = anthropic.AsyncAnthropic(**options)
+
+    def route_profile(self, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
+        return takes_no_options(self.name, profile, options)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AnthropicProvider | UnconfiguredProvider:

@@ -9,8 +9,8 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.context import SessionActivities
 from activities.provider import SummaryRequest
+from activities.session_state import SessionState
 from contract import names
 from contract.activity_interfaces import CompactionActivityCalls
 from contract.events import EventType
@@ -40,14 +40,14 @@ MAX_FACT_CHARS = 1_000
 
 
 class CompactionActivities(CompactionActivityCalls):
-    def __init__(self, session: SessionActivities) -> None:
-        self.session = session
-        self.store = session.store
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+        self.store = state.store
 
     async def _context(self, session_id: str) -> tuple[Any, Any]:
-        open_, _, cache = await self.session._session(session_id)
-        profile = open_.model_route.profile()
-        return open_, (cache, self.session.counter(profile.encoding), profile)
+        open_, _, cache = await self.state.session(session_id)
+        profile = open_.route.profile()
+        return open_, (cache, self.state.counter(profile.encoding), profile)
 
     def _chunk_tokens(self, context_window: int) -> int:
         """A summarizer input never exceeds a quarter of the model's window (and 8k tokens)."""
@@ -57,8 +57,8 @@ class CompactionActivities(CompactionActivityCalls):
     async def plan(self, inp: CompactionInput) -> CompactionStep:
         """Run the pure policy on the stored log and store the plan (a retry gets the stored one)."""
         open_, (cache, counter, _) = await self._context(inp.session_id)
-        prefix, profile = await self.session._prefix(inp.session_id, inp.epoch, cache)
-        items = await self.session._items(inp.session_id, cache)
+        prefix, profile = await self.state.prefix(inp.session_id, inp.epoch, cache)
+        items = await self.state.items(inp.session_id, cache)
         secret = cache.secret
         current_json = await self.store.latest_checkpoint(inp.session_id)
         current = Checkpoint.model_validate(current_json) if current_json else None
@@ -76,7 +76,7 @@ class CompactionActivities(CompactionActivityCalls):
         stored = CompactionPlan.model_validate(
             await self.store.put_compaction_plan(inp.session_id, inp.checkpoint_id, plan.model_dump(mode="json"))
         )
-        await self.session._event(
+        await self.state.event(
             inp.session_id,
             f"compaction_started:{inp.checkpoint_id}",
             EventType.COMPACTION_STARTED,
@@ -114,8 +114,8 @@ class CompactionActivities(CompactionActivityCalls):
         plan = CompactionPlan.model_validate(plan_json)
         chunk = plan.chunks[inp.chunk_index]
         _, (cache, _, _) = await self._context(inp.session_id)
-        _, profile = await self.session._prefix(inp.session_id, inp.epoch, cache)  # this epoch's route
-        provider = self.session.providers.get(profile.provider)
+        _, profile = await self.state.prefix(inp.session_id, inp.epoch, cache)  # this epoch's route
+        provider = self.state.providers.get(profile.provider)
         if provider is None:
             raise ApplicationError(
                 f"provider {profile.provider!r} is not configured",
@@ -144,7 +144,7 @@ class CompactionActivities(CompactionActivityCalls):
         rows = await self.store.summaries(inp.session_id, inp.checkpoint_id)
         if len(rows) != len(plan.chunks):
             raise ApplicationError(f"{len(plan.chunks) - len(rows)} chunk summaries missing", type="Incomplete")
-        parts = ([plan.previous_summary] if plan.previous_summary else []) + [r["summary"] for r in rows]
+        parts = ([plan.previous_summary] if plan.previous_summary else []) + [r.summary for r in rows]
         checkpoint = Checkpoint(
             checkpoint_id=inp.checkpoint_id,
             parent_id=plan.parent_id,
@@ -170,7 +170,7 @@ class CompactionActivities(CompactionActivityCalls):
     async def escalate(self, inp: CompactionInput) -> CompactionOutcome:
         """Past depth 2: write a checkpoint that is a fresh body of references, for a child run to start from."""
         _, (cache, counter, _) = await self._context(inp.session_id)
-        items = await self.session._items(inp.session_id, cache)
+        items = await self.state.items(inp.session_id, cache)
         current_json = await self.store.latest_checkpoint(inp.session_id)
         if current_json is None:
             raise ApplicationError(
@@ -206,7 +206,7 @@ class CompactionActivities(CompactionActivityCalls):
         _, (_, counter, _) = await self._context(inp.session_id)
         writes = [WorkingStateWrite.model_validate(w) for w in await self.store.working_state_writes(inp.session_id)]
         state = fold(writes, count=counter.count, upto_turn=inp.turn + 1)
-        decided = {r["fact_id"] for r in await self.store.candidates(inp.session_id)}
+        decided = {r.fact_id for r in await self.store.candidates(inp.session_id)}
         known = await self.store.memory_texts(inp.scope)
         written = 0
         rejected: dict[str, int] = {}
@@ -248,7 +248,7 @@ class CompactionActivities(CompactionActivityCalls):
         return FormationResult(candidates=len(state.facts), written=written, rejected=rejected)
 
     async def _completed(self, inp: CompactionInput, outcome: CompactionOutcome) -> CompactionOutcome:
-        await self.session._event(
+        await self.state.event(
             inp.session_id,
             f"compaction_completed:{inp.checkpoint_id}",
             EventType.COMPACTION_COMPLETED,

@@ -35,10 +35,12 @@ from activities.provider import (
     ProviderToolCall,
     ProviderUsage,
     SummaryRequest,
+    takes_no_options,
 )
 from activities.tokens import TiktokenCounter
 from activities.wire import wire_prefix
 from contract.settings import settings
+from core.estimator import ModelProfile
 from core.rendering import parse_envelopes
 
 # ----------------------------------------------------------------------------------------------------------
@@ -317,6 +319,9 @@ class UnconfiguredProvider:
     async def summarize(self, request: SummaryRequest) -> ProviderReply:
         raise self._error()
 
+    def route_profile(self, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
+        return takes_no_options(self.name, profile, options)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # The OpenAI adapter.
@@ -439,6 +444,9 @@ class OpenAIProvider:
             options["timeout"] = timeout
         self.client = openai.AsyncOpenAI(**options)
         self._counter = counter
+
+    def route_profile(self, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
+        return takes_no_options(self.name, profile, options)
 
     @classmethod
     def from_env(

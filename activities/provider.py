@@ -11,13 +11,14 @@ import json
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from activities.tokens import TiktokenCounter
 from activities.wire import WirePrefix
+from core.estimator import ModelProfile
 from core.rendering import FRAMING_TEXT, EnvelopeParseError, parse_envelopes
 
 
@@ -42,7 +43,7 @@ class ProviderRequest(BaseModel):
     segments: list[ProviderSegment]
     tools: list[dict[str, Any]] = Field(default_factory=list)
     max_output_tokens: int = 1_024
-    usage_ratio: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)  # the route's provider_options, checked at open
     estimated_tokens: int | None = None  # what let this request through: reported by context-length errors
 
 
@@ -92,6 +93,27 @@ class ModelProvider(Protocol):
 
     async def summarize(self, request: SummaryRequest) -> ProviderReply: ...
 
+    def route_profile(self, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
+        """The route's profile as this provider serves it, given the route's `provider_options`; raises
+        ValueError naming an option it does not take. Called when a session opens an epoch on the route."""
+        ...
+
+
+def takes_no_options(provider: str, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
+    """`route_profile` of a provider that reads no options: any option is refused, by name."""
+    if options:
+        raise ValueError(f"the {provider} provider takes no options; got {', '.join(sorted(options))}")
+    return profile
+
+
+class ScriptedOptions(BaseModel):
+    """The scripted provider's options (`model_route.provider_options`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Usage is reported as the count times this ratio, to stand in for a provider whose tokenizer counts more.
+    usage_ratio: float = Field(default=1.0, gt=0)
+
 
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
 _SLEEP = re.compile(r"^/sleep\s+([0-9]+(?:\.[0-9]+)?)\s*$", re.MULTILINE)
@@ -131,9 +153,9 @@ class ScriptedProvider:
     - otherwise it acknowledges the message;
     - a line `/sleep SECONDS` makes the model take that long to answer (latency, and crash tests).
 
-    Usage is the tiktoken count of the request times the route's `usage_ratio` (to stand in for a provider
-    whose tokenizer counts more), and a prefix it has seen before is reported as cached, like a provider's
-    prompt cache.
+    Usage is the tiktoken count of the request times the route's `usage_ratio` option (`ScriptedOptions`: it
+    stands in for a provider whose tokenizer counts more), and a prefix it has seen before is reported as
+    cached, like a provider's prompt cache.
     """
 
     def __init__(self, counter: TiktokenCounter | None = None, cache_entries: int = 4_096) -> None:
@@ -141,7 +163,13 @@ class ScriptedProvider:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._cache_entries = cache_entries
 
+    def route_profile(self, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
+        """Its published ratio is the usage ratio: a new route never starts calibrated below it."""
+        ratio = ScriptedOptions.model_validate(options).usage_ratio
+        return profile.model_copy(update={"calibration": max(profile.calibration, ratio)})
+
     async def complete(self, request: ProviderRequest) -> ProviderReply:
+        ratio = ScriptedOptions.model_validate(request.options).usage_ratio
         segs = request.segments
         # The conversation, without per-request context (recall, corrections, working state, the clock).
         convo = [s for s in segs if s.kind in CONVERSATION_KINDS]
@@ -170,10 +198,10 @@ class ScriptedProvider:
             reply = f"Done. Tool results: {described}." if tail else "Done."
         # Usage from the plan's counts (each segment counted once, when it was rendered), times the ratio
         # that stands in for another provider's tokenizer.
-        input_tokens = math.ceil((sum(s.raw_tokens for s in segs) + 4 * len(segs)) * request.usage_ratio)
+        input_tokens = math.ceil((sum(s.raw_tokens for s in segs) + 4 * len(segs)) * ratio)
         cached = 0
         if request.prefix_sha256 in self._seen:
-            cached = math.floor(sum(s.raw_tokens for s in segs if s.region == "A") * request.usage_ratio)
+            cached = math.floor(sum(s.raw_tokens for s in segs if s.region == "A") * ratio)
             self._seen.move_to_end(request.prefix_sha256)
         else:
             self._seen[request.prefix_sha256] = None

@@ -65,34 +65,34 @@ async def rebuild_session(
     session = await store.get_session(session_id)
     if session is None:
         raise LookupError(f"no session {session_id!r} in this database")
-    secret = bytes(session["secret"])
-    items: list[HistoryItem] = [parse_history_item(r["payload"]) for r in await store.load_items(session_id)]
+    secret = session.secret
+    items: list[HistoryItem] = [parse_history_item(r.payload) for r in await store.load_items(session_id)]
     prefixes: dict[tuple[int, str], FrozenPrefix | str] = {}
     checkpoints: dict[str, Checkpoint] = {}
     caches: dict[str, RenderCache] = {}
     out: list[RebuiltRequest] = []
     for rec in await store.records(session_id):
-        ri = RequestInputs.model_validate(rec["inputs"])
+        ri = RequestInputs.model_validate(rec.inputs)
         profile = overrides.profile or ri.profile
         budget = ContextBudget.model_validate({**ri.budget.model_dump(), **overrides.budget})
         estimator = TokenEstimator(profile, counter_for(profile.encoding))
         base = RebuiltRequest(
-            turn=rec["turn"],
-            call_index=rec["call_index"],
-            epoch=rec["epoch"],
-            recorded_prefix_sha256=rec["prefix_sha256"],
+            turn=rec.turn,
+            call_index=rec.call_index,
+            epoch=rec.epoch,
+            recorded_prefix_sha256=rec.prefix_sha256,
             prefix_sha256=None,
-            recorded_request_sha256=rec["request_sha256"],
+            recorded_request_sha256=rec.request_sha256,
             request_sha256=None,
-            recorded_estimated_tokens=rec["estimated_tokens"],
+            recorded_estimated_tokens=rec.estimated_tokens,
             estimated_tokens=None,
-            actual_input_tokens=rec["actual_input_tokens"],
+            actual_input_tokens=rec.actual_input_tokens,
             input_limit=budget.input_limit,
             status="error",
         )
-        key = (rec["epoch"], profile.model_dump_json() + budget.model_dump_json())
+        key = (rec.epoch, profile.model_dump_json() + budget.model_dump_json())
         if key not in prefixes:
-            prefixes[key] = await _prefix(store, session_id, rec["epoch"], overrides, budget, estimator, secret)
+            prefixes[key] = await _prefix(store, session_id, rec.epoch, overrides, budget, estimator, secret)
         prefix = prefixes[key]
         if isinstance(prefix, str):
             out.append(base.model_copy(update={"error": prefix}))
@@ -145,10 +145,8 @@ async def _prefix(
     if row is None:
         return f"no prefix stored for epoch {epoch}"
     if overrides.empty:
-        return FrozenPrefix.model_validate(row["prefix"])
+        return FrozenPrefix.model_validate(row.prefix)
     try:  # other settings: measure the same Region A again, as a session open would
-        return open_prefix(
-            PrefixInputs.model_validate(row["inputs"]), budget=budget, estimator=estimator, secret=secret
-        )
+        return open_prefix(PrefixInputs.model_validate(row.inputs), budget=budget, estimator=estimator, secret=secret)
     except ContextError as exc:
         return str(exc)

@@ -3,18 +3,38 @@ ON CONFLICT); nothing stored is ever rewritten except usage filled in after a re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
 from activities.migrations import MIGRATIONS
+from activities.rows import (
+    EpochPrefix,
+    LoggedItem,
+    MemoryCandidate,
+    MemoryRow,
+    RequestRecord,
+    SessionClaim,
+    StoredArtifact,
+    StoredEvent,
+    StoredPrefix,
+    StoredRequest,
+    StoredSession,
+    StoredWirePrefix,
+    SummarizerCall,
+    WrittenMemory,
+)
 from core.compaction import run_trust
 from core.items import parse_history_item
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _MIGRATION_LOCK = 727_020  # advisory lock id: two workers starting at once migrate one after the other
 
@@ -204,6 +224,22 @@ class ForeignReferenceError(PermissionError):
         super().__init__(f"reference {reference!r} does not belong to session {session_id!r}; refused")
 
 
+R = TypeVar("R", bound="DataclassInstance")
+_COLUMNS: dict[type, tuple[str, ...]] = {}
+
+
+def _row(cls: type[R], record: Mapping[str, Any]) -> R:
+    """`record` as the typed row `cls`: its columns named by the dataclass's fields (others are not read)."""
+    names = _COLUMNS.get(cls)
+    if names is None:
+        names = _COLUMNS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return cls(**{name: record[name] for name in names})
+
+
+def _all(cls: type[R], records: Sequence[Mapping[str, Any]]) -> list[R]:
+    return [_row(cls, r) for r in records]
+
+
 def _rows(status: str) -> int:
     """Rows affected, from asyncpg's command status (`DELETE 3`)."""
     return int(status.rsplit(" ", 1)[-1])
@@ -253,8 +289,8 @@ class Store:
 
     async def claim_session(
         self, session_id: str, open_json: dict[str, Any], secret: bytes, owner: str
-    ) -> tuple[asyncpg.Record, bool]:
-        """Claim `session_id` for the run `owner`; returns the stored row and whether `owner` holds it.
+    ) -> SessionClaim:
+        """Claim `session_id` for the run `owner`: whether `owner` holds it, and the session holding the id.
 
         A retry of the owner's open finds its own row. A row of another run is replaced when that run never
         opened (it failed before a prefix was stored), adopted when it predates owners and is still open, and
@@ -264,26 +300,28 @@ class Store:
             await conn.execute(SQL_INSERT_OWNED_SESSION, session_id, open_json, secret, owner)
             row = await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id)
             if row["owner"] == owner:
-                return row, True
+                return _claim(row, owned=True)
             if (
                 row["owner"] is None
                 and row["closed_at"] is None
                 and await conn.fetchval(SQL_SESSION_OPENED, session_id)
             ):
                 await conn.execute(SQL_ADOPT_SESSION, session_id, owner)  # a session opened before owners existed
-                return row, True
+                return _claim(row, owned=True)
             if await conn.fetchval(SQL_SESSION_OPENED, session_id):
-                return row, False
+                return _claim(row, owned=False)
             for sql in SQL_CLEAR_UNOPENED:
                 await conn.execute(sql, session_id)
             await conn.execute(SQL_REPLACE_SESSION, session_id, open_json, secret, owner)
-            return await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id), True
+            return _claim(await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id), owned=True)
 
-    async def get_memory(self, scope: str, memory_id: str) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_MEMORY, scope, memory_id)
+    async def get_memory(self, scope: str, memory_id: str) -> WrittenMemory | None:
+        row = await self.pool.fetchrow(SQL_GET_MEMORY, scope, memory_id)
+        return _row(WrittenMemory, row) if row is not None else None
 
-    async def get_session(self, session_id: str) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_SESSION, session_id)
+    async def get_session(self, session_id: str) -> StoredSession | None:
+        row = await self.pool.fetchrow(SQL_GET_SESSION, session_id)
+        return _row(StoredSession, row) if row is not None else None
 
     async def close_session(self, session_id: str, reason: str) -> None:
         await self.pool.execute(SQL_CLOSE_SESSION, session_id, reason)
@@ -317,8 +355,8 @@ class Store:
                 nxt += 1
         return seqs
 
-    async def load_items(self, session_id: str, after_seq: int = -1) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq)
+    async def load_items(self, session_id: str, after_seq: int = -1) -> list[LoggedItem]:
+        return _all(LoggedItem, await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq))
 
     # ------------------------------------------------------------ content-addressed content
     async def put_artifact(self, session_id: str, content: str, *, trust: str, media_type: str = "text/plain") -> str:
@@ -326,8 +364,9 @@ class Store:
         await self.pool.execute(SQL_PUT_ARTIFACT, session_id, sha, trust, media_type, content)
         return sha
 
-    async def get_artifact(self, session_id: str, sha: str) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_ARTIFACT, session_id, sha)
+    async def get_artifact(self, session_id: str, sha: str) -> StoredArtifact | None:
+        row = await self.pool.fetchrow(SQL_GET_ARTIFACT, session_id, sha)
+        return _row(StoredArtifact, row) if row is not None else None
 
     async def resolve(self, session_id: str, reference: str) -> tuple[str, str]:
         """The original content and trust level behind a pointer's reference, inside its own session only.
@@ -342,7 +381,7 @@ class Store:
                 if await self.pool.fetchval(SQL_ARTIFACT_OWNED_ELSEWHERE, key, session_id):
                     raise ForeignReferenceError(session_id, reference)
                 raise LookupError(f"no artifact {key!r} in session {session_id!r}")
-            return row["content"], row["trust"]
+            return row.content, row.trust
         if kind == "item":
             payload = await self.pool.fetchval(SQL_ITEM_PAYLOAD, session_id, key)
             if payload is None:
@@ -378,11 +417,13 @@ class Store:
         value = await self.pool.fetchval(SQL_GET_SUMMARY, session_id, checkpoint_id, index)
         return str(value) if value is not None else None
 
-    async def summaries(self, session_id: str, checkpoint_id: str) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_SUMMARIES, session_id, checkpoint_id)
+    async def summaries(self, session_id: str, checkpoint_id: str) -> list[SummarizerCall]:
+        """The checkpoint's summarizer calls, by chunk."""
+        rows = await self.pool.fetch(SQL_SUMMARIES, session_id, checkpoint_id)
+        return [_row(SummarizerCall, {**r, "checkpoint_id": checkpoint_id}) for r in rows]
 
-    async def summarizer_inputs(self, session_id: str) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_ALL_SUMMARIZER_INPUTS, session_id)
+    async def summarizer_inputs(self, session_id: str) -> list[SummarizerCall]:
+        return _all(SummarizerCall, await self.pool.fetch(SQL_ALL_SUMMARIZER_INPUTS, session_id))
 
     async def checkpoints(self, session_id: str) -> list[dict[str, Any]]:
         return [dict(r["checkpoint"]) for r in await self.pool.fetch(SQL_CHECKPOINTS, session_id)]
@@ -401,8 +442,8 @@ class Store:
     ) -> None:
         await self.pool.execute(SQL_PUT_CANDIDATE, session_id, fact_id, text, accepted, gate, reason, memory_id)
 
-    async def candidates(self, session_id: str) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_CANDIDATES, session_id)
+    async def candidates(self, session_id: str) -> list[MemoryCandidate]:
+        return _all(MemoryCandidate, await self.pool.fetch(SQL_CANDIDATES, session_id))
 
     async def memory_exists(self, scope: str, memory_id: str) -> bool:
         return bool(await self.pool.fetchval(SQL_MEMORY_EXISTS, scope, memory_id))
@@ -422,8 +463,9 @@ class Store:
     ) -> None:
         await self.pool.execute(SQL_PUT_PREFIX, session_id, epoch, sha, reason, profile, prefix, inputs)
 
-    async def get_prefix(self, session_id: str, epoch: int) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_PREFIX, session_id, epoch)
+    async def get_prefix(self, session_id: str, epoch: int) -> StoredPrefix | None:
+        row = await self.pool.fetchrow(SQL_GET_PREFIX, session_id, epoch)
+        return _row(StoredPrefix, row) if row is not None else None
 
     async def put_request(
         self, sha: str, prefix_sha: str, body: list[dict[str, Any]], *, base: str | None = None, keep: int = 0
@@ -433,8 +475,8 @@ class Store:
         stored: Any = {"base": base, "keep": keep, "tail": body} if base else body
         await self.pool.execute(SQL_PUT_REQUEST, sha, prefix_sha, stored)
 
-    async def get_request(self, sha: str) -> dict[str, Any] | None:
-        """`{"prefix_sha256", "body"}` with the body whole, following delta links (at most MAX_DELTA_CHAIN)."""
+    async def get_request(self, sha: str) -> StoredRequest | None:
+        """The request with its body whole, following delta links (at most MAX_DELTA_CHAIN)."""
         row = await self.pool.fetchrow(SQL_GET_REQUEST, sha)
         if row is None:
             return None
@@ -448,7 +490,7 @@ class Store:
             body = base["body"]
         for link in reversed(links):
             body = body[: link["keep"]] + link["tail"]
-        return {"prefix_sha256": row["prefix_sha256"], "body": body}
+        return StoredRequest(prefix_sha256=row["prefix_sha256"], body=body)
 
     # ------------------------------------------------------------ request records
     async def record_request(
@@ -464,7 +506,7 @@ class Store:
         raw_tokens: int,
         plan: dict[str, Any],
         inputs: dict[str, Any],
-    ) -> list[asyncpg.Record]:
+    ) -> list[EpochPrefix]:
         """Record one request; returns the distinct prefix hashes of its epoch (first seen first)."""
         async with self.pool.acquire() as conn:
             await conn.execute(
@@ -480,13 +522,14 @@ class Store:
                 plan,
                 inputs,
             )
-            return await conn.fetch(SQL_DISTINCT_PREFIXES, session_id, epoch)
+            return _all(EpochPrefix, await conn.fetch(SQL_DISTINCT_PREFIXES, session_id, epoch))
 
-    async def get_record(self, session_id: str, turn: int, call_index: int) -> asyncpg.Record | None:
-        return await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)
+    async def get_record(self, session_id: str, turn: int, call_index: int) -> RequestRecord | None:
+        row = await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)
+        return _row(RequestRecord, row) if row is not None else None
 
-    async def records(self, session_id: str) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_RECORDS, session_id)
+    async def records(self, session_id: str) -> list[RequestRecord]:
+        return _all(RequestRecord, await self.pool.fetch(SQL_RECORDS, session_id))
 
     async def record_usage(
         self, session_id: str, turn: int, call_index: int, *, actual: int, cached: int, output: int
@@ -495,16 +538,16 @@ class Store:
 
     async def record_wire_prefix(
         self, session_id: str, turn: int, call_index: int, *, epoch: int, sha256: str, text: str
-    ) -> list[asyncpg.Record]:
+    ) -> list[StoredWirePrefix]:
         """Record a request's wire prefix hash (the first attempt's wins) and keep each distinct wire prefix of
         the epoch once; returns the epoch's distinct wire prefixes, first seen first."""
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(SQL_RECORD_WIRE, session_id, turn, call_index, sha256)
             await conn.execute(SQL_PUT_WIRE_PREFIX, session_id, epoch, sha256, text, turn)
-            return list(await conn.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
+            return _all(StoredWirePrefix, await conn.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
 
-    async def wire_prefixes(self, session_id: str, epoch: int) -> list[asyncpg.Record]:
-        return list(await self.pool.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
+    async def wire_prefixes(self, session_id: str, epoch: int) -> list[StoredWirePrefix]:
+        return _all(StoredWirePrefix, await self.pool.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
 
     # ------------------------------------------------------------ events
     async def add_event(
@@ -513,8 +556,8 @@ class Store:
         """True when this call stored the event (a retry finds it there and returns False)."""
         return bool(await self.pool.fetchval(SQL_ADD_EVENT, session_id, event_key, type_, turn, epoch, payload))
 
-    async def events(self, session_id: str) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_EVENTS, session_id)
+    async def events(self, session_id: str) -> list[StoredEvent]:
+        return _all(StoredEvent, await self.pool.fetch(SQL_EVENTS, session_id))
 
     # ------------------------------------------------------------ memories
     async def write_memory(
@@ -529,19 +572,24 @@ class Store:
     ) -> None:
         await self.pool.execute(SQL_WRITE_MEMORY, scope, memory_id, text, trust, session_id, corrects)
 
-    async def snapshot_memories(self, scope: str, limit: int) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_SNAPSHOT, scope, limit)
+    async def snapshot_memories(self, scope: str, limit: int) -> list[MemoryRow]:
+        rows = await self.pool.fetch(SQL_SNAPSHOT, scope, limit)
+        return [MemoryRow(memory_id=r["memory_id"], text=r["text"], trust=r["trust"]) for r in rows]
 
     async def search_memories(
         self, scope: str, query: str, *, limit: int, exclude: Sequence[str] = ()
-    ) -> list[asyncpg.Record]:
+    ) -> list[MemoryRow]:
+        """The scope's memories matching `query`, best first (`exclude`: the snapshot's, already in view)."""
         words = re.findall(r"\w{3,}", query.lower())[:32]
         if not words:
             return []
-        return await self.pool.fetch(SQL_SEARCH, scope, " or ".join(words), list(exclude), limit)
+        return [
+            MemoryRow(memory_id=r["memory_id"], text=r["text"], trust=r["trust"])
+            for r in await self.pool.fetch(SQL_SEARCH, scope, " or ".join(words), list(exclude), limit)
+        ]
 
-    async def corrections(self, scope: str, memory_ids: Sequence[str]) -> list[asyncpg.Record]:
-        return await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids))
+    async def corrections(self, scope: str, memory_ids: Sequence[str]) -> list[MemoryRow]:
+        return _all(MemoryRow, await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids)))
 
     async def delete_memory(self, scope: str, memory_id: str, *, reason: str) -> bool:
         """Delete a memory; leave a tombstone that corrects it, so a frozen snapshot that still holds it shows a
@@ -624,3 +672,9 @@ class Store:
     async def latest_checkpoint(self, session_id: str) -> dict[str, Any] | None:
         row = await self.pool.fetchval(SQL_LATEST_CHECKPOINT, session_id)
         return dict(row) if row is not None else None
+
+
+def _claim(row: Mapping[str, Any], *, owned: bool) -> SessionClaim:
+    return SessionClaim(
+        owned=owned, secret=bytes(row["secret"]), created_at=row["created_at"], closed_at=row["closed_at"]
+    )

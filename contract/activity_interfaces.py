@@ -38,8 +38,8 @@ from contract.payloads import (
 )
 
 
-class SessionActivityCalls:
-    """The session's activities (implemented by `activities.context.SessionActivities`)."""
+class SessionLifecycleCalls:
+    """Open an epoch, seal a failed turn, close (implemented in `activities/lifecycle.py`)."""
 
     @activity.defn(name=names.ACTIVITY_OPEN)
     async def open_session(self, inp: OpenInput) -> OpenResult:
@@ -49,17 +49,37 @@ class SessionActivityCalls:
     async def seal_turn(self, inp: SealTurnInput) -> int:
         raise NotImplementedError
 
+    @activity.defn(name=names.ACTIVITY_CLOSE)
+    async def close_session(self, inp: CloseInput) -> None:
+        raise NotImplementedError
+
+
+class BuildCalls:
+    """Build a request (implemented in `activities/build.py`)."""
+
     @activity.defn(name=names.ACTIVITY_BUILD)
     async def build_context(self, inp: BuildInput) -> BuildResult:
         raise NotImplementedError
+
+
+class ModelCalls:
+    """Call the model (implemented in `activities/model_call.py`)."""
 
     @activity.defn(name=names.ACTIVITY_MODEL)
     async def call_model(self, inp: ModelInput) -> ModelResult:
         raise NotImplementedError
 
+
+class ToolCalls:
+    """Run a tool call (implemented in `activities/tool_calls.py`)."""
+
     @activity.defn(name=names.ACTIVITY_TOOL)
     async def execute_tool(self, inp: ToolInput) -> ToolResultSummary:
         raise NotImplementedError
+
+
+class MemoryCalls:
+    """The runtime's writes: memories and the working state (implemented in `activities/memory.py`)."""
 
     @activity.defn(name=names.ACTIVITY_WRITE_MEMORY)
     async def write_memory(self, inp: MemoryInput) -> MemoryResult:
@@ -73,13 +93,17 @@ class SessionActivityCalls:
     async def write_working_state(self, inp: WorkingStateInput) -> WorkingStateResult:
         raise NotImplementedError
 
-    @activity.defn(name=names.ACTIVITY_CLOSE)
-    async def close_session(self, inp: CloseInput) -> None:
-        raise NotImplementedError
+
+class EventCalls:
+    """Record an event the workflow decides (implemented in `activities/events.py`)."""
 
     @activity.defn(name=names.ACTIVITY_EVENT)
     async def record_event(self, inp: EventInput) -> None:
         raise NotImplementedError
+
+
+class SessionActivityCalls(SessionLifecycleCalls, BuildCalls, ModelCalls, ToolCalls, MemoryCalls, EventCalls):
+    """Every session activity, one family per base class: what the session and turn workflows call."""
 
 
 class CompactionActivityCalls:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from core.budget import ContextBudget
 from core.estimator import DEFAULT_PROFILES, ModelProfile
@@ -102,8 +102,21 @@ class ModelRoute(_Input):
     encoding: str | None = None
     context_window: int | None = Field(default=None, gt=0)
     min_cacheable_tokens: int | None = Field(default=None, ge=0)
-    # The scripted provider reports usage as count x this ratio, to stand in for another tokenizer.
-    scripted_usage_ratio: float = Field(default=1.0, gt=0)
+    # Options only the route's provider reads, checked by that provider when a session opens on the route (an
+    # option it does not take refuses the open): the scripted provider's are `activities.provider.ScriptedOptions`.
+    provider_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recorded_usage_ratio(cls, data: Any) -> Any:
+        """Histories recorded before `provider_options` carry the scripted provider's ratio as a route field
+        (`scripted_usage_ratio`, 1.0 in every one of tests/histories): read it as that provider's option."""
+        if isinstance(data, dict) and "scripted_usage_ratio" in data:
+            data = dict(data)
+            ratio = data.pop("scripted_usage_ratio")
+            if ratio != 1.0 and "provider_options" not in data:
+                data["provider_options"] = {"usage_ratio": ratio}
+        return data
 
     def profile(self) -> ModelProfile:
         base = DEFAULT_PROFILES.get(self.provider, DEFAULT_PROFILES["scripted"])
@@ -116,8 +129,6 @@ class ModelRoute(_Input):
             update["min_cacheable_tokens"] = self.min_cacheable_tokens
         elif self.provider == "anthropic":
             update["min_cacheable_tokens"] = anthropic_min_cacheable(self.model)
-        if self.provider == "scripted":  # its published ratio: a new route never starts below it
-            update["calibration"] = max(base.calibration, self.scripted_usage_ratio)
         return base.model_copy(update=update)
 
 
@@ -151,7 +162,9 @@ class SessionOpen(_Input):
     platform_policy: str = DEFAULT_PLATFORM_POLICY
     tools: list[ToolSpec] = Field(default_factory=list)
     grants: list[str] | None = None  # None: every pinned tool is granted
-    model_route: ModelRoute = Field(default_factory=ModelRoute)
+    # None: the caller named no route. Only a worker on the embedded dev services serves such a session (with
+    # the scripted model, `route`); any other worker refuses it at open (ModelRouteRequired).
+    model_route: ModelRoute | None = None
     # overrides of ContextBudget fields; validated with the route even when empty (a route window may be too small)
     budget: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     memory_scope: str = "default"
@@ -165,20 +178,24 @@ class SessionOpen(_Input):
     carried: SessionState | None = None
     carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
 
+    @property
+    def route(self) -> ModelRoute:
+        """The route the session runs on: `model_route`, or the scripted model when the caller named none."""
+        return self.model_route or ModelRoute()
+
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
         """The budget for a route: its window, with this session's overrides on top (validated together, so a
         small route window with a smaller reserve override is a valid budget)."""
-        window = (profile or self.model_route.profile()).context_window
+        window = (profile or self.route.profile()).context_window
         return ContextBudget.model_validate({"context_window": window, **self.budget})
 
     @field_validator("budget", mode="after")
     @classmethod
     def _budget_fits_route(cls, budget: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Route and budget are checked together at the door; the error names the budget field."""
-        route = info.data.get("model_route")
-        if route is None:
+        if "model_route" not in info.data:  # the route itself did not validate
             return budget
-        window = route.profile().context_window
+        window = (info.data["model_route"] or ModelRoute()).profile().context_window
         try:
             ContextBudget.model_validate({"context_window": window, **budget})
         except ValidationError as exc:

@@ -157,7 +157,7 @@ def gate(
     """Run a hard gate on the live stack (embedded services unless TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL)."""
     import asyncio
 
-    from activities.context import SessionActivities
+    from activities.session import SessionActivities
     from harness.faults import PrefixTimestampFault
     from harness.gates import ALL, GATES, run_gate, run_gates
 

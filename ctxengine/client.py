@@ -2,7 +2,10 @@
 types, the data converter, id reuse and idempotency, so a service does not re-derive them.
 
     async with connect() as ctx:                       # TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, CTXENGINE_DATABASE_URL
-        session = await ctx.start_session(SessionOpen(agent_instructions="..."), session_id="s-1")
+        session = await ctx.start_session(
+            SessionOpen(agent_instructions="...", model_route=ModelRoute(provider="openai", model="gpt-4o")),
+            session_id="s-1",
+        )
         result = await session.submit_turn("hello", idempotency_key="req-42")   # a retry returns the same result
 
 Failures arrive as the typed errors below, mapped from Temporal's by the ApplicationError `type` string the
@@ -126,6 +129,7 @@ ERROR_TYPES: dict[str, type[CtxEngineError]] = {
     "ValueError": ValidationFailed,
     "ValidationError": ValidationFailed,
     "InvalidSessionOpen": ValidationFailed,
+    "ModelRouteRequired": ValidationFailed,
     "InvalidInput": ValidationFailed,
 }
 

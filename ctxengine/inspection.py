@@ -19,16 +19,16 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         raise LookupError(f"no session {session_id!r} in this database")
     records = await store.records(session_id)
     if turn is not None:
-        records = [r for r in records if r["turn"] == turn]
+        records = [r for r in records if r.turn == turn]
     if not records:
         raise LookupError(f"session {session_id!r} has no recorded request" + (f" for turn {turn}" if turn else ""))
     rec = records[-1]
-    plan = PlanSummary.model_validate(rec["plan"])
-    prefix_row = await store.get_prefix(session_id, rec["epoch"])
-    request = await store.get_request(rec["request_sha256"])
+    plan = PlanSummary.model_validate(rec.plan)
+    prefix_row = await store.get_prefix(session_id, rec.epoch)
+    request = await store.get_request(rec.request_sha256)
     assert prefix_row is not None and request is not None
-    segments = [*prefix_row["prefix"]["segments"], *request["body"]]
-    budget = ContextBudget.model_validate(rec["inputs"]["budget"])
+    segments = [*prefix_row.prefix["segments"], *request.body]
+    budget = ContextBudget.model_validate(rec.inputs["budget"])
     caps = {k.value: v for k, v in budget.prefix_caps().items()}
     caps.update(
         {
@@ -38,19 +38,19 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         }
     )
     all_records = await store.records(session_id)
-    input_total = sum(r["actual_input_tokens"] or 0 for r in all_records)
-    cached_total = sum(r["cached_tokens"] or 0 for r in all_records)
+    input_total = sum(r.actual_input_tokens or 0 for r in all_records)
+    cached_total = sum(r.cached_tokens or 0 for r in all_records)
     return {
         "session_id": session_id,
-        "turn": rec["turn"],
-        "call_index": rec["call_index"],
-        "epoch": rec["epoch"],
-        "prefix_sha256": rec["prefix_sha256"],
-        "request_sha256": rec["request_sha256"],
+        "turn": rec.turn,
+        "call_index": rec.call_index,
+        "epoch": rec.epoch,
+        "prefix_sha256": rec.prefix_sha256,
+        "request_sha256": rec.request_sha256,
         "status": plan.status.value,
-        "estimated_tokens": rec["estimated_tokens"],
-        "actual_input_tokens": rec["actual_input_tokens"],
-        "cached_tokens": rec["cached_tokens"],
+        "estimated_tokens": rec.estimated_tokens,
+        "actual_input_tokens": rec.actual_input_tokens,
+        "cached_tokens": rec.cached_tokens,
         "input_limit": plan.input_limit,
         "tokens_by_class": plan.tokens_by_class,
         "caps": caps,
@@ -73,7 +73,7 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         ],
         "session_cache_efficiency": round(cached_total / input_total, 4) if input_total else 0.0,
         "requests": len(all_records),
-        "distinct_prefix_hashes_in_epoch": len({r["prefix_sha256"] for r in all_records if r["epoch"] == rec["epoch"]}),
+        "distinct_prefix_hashes_in_epoch": len({r.prefix_sha256 for r in all_records if r.epoch == rec.epoch}),
     }
 
 

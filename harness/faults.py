@@ -2,14 +2,19 @@
 
 Production workers never import this module, and no production code reads a switch for them: a negative
 test (or `ctxengine gate ... --inject-...`) passes one of these classes to `running_worker(activities_class=)`.
+Each is a `SessionActivities` whose slot for one activity family holds a faulty subclass of that family.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from activities.assembly import RequestInputs
-from activities.context import SessionActivities, _SessionCache
+from activities.build import BuildActivities
+from activities.model_call import ModelCallActivities
+from activities.session import SessionActivities
+from activities.session_state import SessionCache
+from activities.tool_calls import ToolCallActivities
 from contract.payloads import BuildInput, SessionOpen
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, open_prefix
 from core.estimator import TokenEstimator
@@ -17,36 +22,49 @@ from core.items import HistoryItem
 from core.plan import ContextPlan
 
 
-class PrefixTimestampFault(SessionActivities):
-    """The bug ADR-0020 warns of: the clock appended to the platform policy when a request is built, so every
-    request's prefix differs. The stability gate and the cache-break explainer must catch it (naming
-    `platform.1.policy`)."""
+class TimestampedPrefixBuild(BuildActivities):
+    """Builds every request over a prefix re-rendered with the clock in its platform policy."""
 
     async def _plan(
         self,
         inp: BuildInput,
         open_: SessionOpen,
         secret: bytes,
-        cache: _SessionCache,
+        cache: SessionCache,
         prefix: FrozenPrefix,
         estimator: TokenEstimator,
         user_item_id: str | None,
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
-        row = await self.store.get_prefix(inp.session_id, inp.epoch)
+        row = await self.state.store.get_prefix(inp.session_id, inp.epoch)
         assert row is not None
-        inputs = PrefixInputs.model_validate(row["inputs"])
+        inputs = PrefixInputs.model_validate(row.inputs)
         stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
         budget = open_.context_budget(estimator.profile)
         prefix = open_prefix(stamped, budget=budget, estimator=estimator, secret=secret)
         return await super()._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
 
 
+class PrefixTimestampFault(SessionActivities):
+    """The bug ADR-0020 warns of: the clock appended to the platform policy when a request is built, so every
+    request's prefix differs. The stability gate and the cache-break explainer must catch it (naming
+    `platform.1.policy`)."""
+
+    build_family: ClassVar[type[BuildActivities]] = TimestampedPrefixBuild
+
+
+class UntaintedReplies(ModelCallActivities):
+    def reply_tainted(self, plan: dict[str, Any]) -> bool:
+        return False
+
+
+class UntaintedWrites(ToolCallActivities):
+    def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
+        return False
+
+
 class TaintOff(SessionActivities):
     """Taint propagation switched off: replies and control-tool writes are never tainted. The trust gates must
     fail with it."""
 
-    def reply_tainted(self, plan: dict[str, Any]) -> bool:
-        return False
-
-    def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
-        return False
+    model_call_family: ClassVar[type[ModelCallActivities]] = UntaintedReplies
+    tool_call_family: ClassVar[type[ToolCallActivities]] = UntaintedWrites

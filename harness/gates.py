@@ -6,6 +6,7 @@ PostgreSQL, and returns its figures with `passed`. `make test` runs every gate (
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import shutil
@@ -22,8 +23,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from activities.context import SessionActivities
 from activities.rebuild import rebuild_session
+from activities.session import SessionActivities
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import DEMO_TOOLS, EXECUTORS, ToolOutput
@@ -224,11 +225,11 @@ async def _stability_session(s: Stack, provider: str) -> tuple[dict[str, Any], d
         await s.turn(handle, text)
         if midnight_turn <= t < midnight_turn + 8:
             await s.env.sleep(timedelta(minutes=1))
-    records = [dict(r) for r in await s.store.records(handle.id)]
+    records = [dataclasses.asdict(r) for r in await s.store.records(handle.id)]
     dates = {r["inputs"]["now_iso"][:10] for r in records}
     state = await s.state(handle)
     hashes = {r["prefix_sha256"] for r in records}
-    violations = [e for e in await s.store.events(handle.id) if e["type"] == "context.prefix.violation"]
+    violations = [e for e in await s.store.events(handle.id) if e.type == "context.prefix.violation"]
     wire = check_wire_stability(list(server.requests), records)
     passed = len(hashes) == 1 and state.turns == 50 and len(dates) >= 2 and state.metrics.compactions >= 1
     figures = {
@@ -244,7 +245,7 @@ async def _stability_session(s: Stack, provider: str) -> tuple[dict[str, Any], d
         "compactions": state.metrics.compactions,
         "escalations": state.metrics.escalations,
         "violation_events": len(violations),
-        "violation": dict(violations[0]["payload"]) if violations else None,
+        "violation": dict(violations[0].payload) if violations else None,
     }
     return figures, wire
 
@@ -293,16 +294,16 @@ async def laundering_figures(s: Stack, session_id: str, scope: str) -> dict[str,
     memories = await s.store.memory_texts(scope)
     return {
         "untrusted_marker_bytes_in_summaries": sum(_marker_bytes(cp["summary"]) for cp in checkpoints)
-        + sum(_marker_bytes(row["summary"]) for row in inputs),
+        + sum(_marker_bytes(row.summary) for row in inputs),
         "untrusted_marker_bytes_in_summarizer_inputs_outside_envelopes": sum(
-            _outside_tainted_envelopes(row["input"]) for row in inputs
+            _outside_tainted_envelopes(row.input) for row in inputs
         ),
         "untrusted_marker_bytes_in_memories": sum(_marker_bytes(m) for m in memories),
         "working_state_entries_from_untrusted": sum(1 for e in ws_entries(state) if MARKER_PREFIX in e.text),
         "untainted_working_state_entries_from_untrusted": sum(
             1 for e in ws_entries(state) if MARKER_PREFIX in e.text and not e.tainted
         ),
-        "tool_trust_raises_refused": sum(1 for e in events if e["type"] == EventType.TOOL_TRUST_REFUSED.value),
+        "tool_trust_raises_refused": sum(1 for e in events if e.type == EventType.TOOL_TRUST_REFUSED.value),
         "summarizer_inputs": len(inputs),
     }
 
@@ -353,25 +354,25 @@ async def gate_compaction(s: Stack) -> dict[str, Any]:
         resolved += int(trust == p["trust"] and (trust != "EXTERNAL_UNTRUSTED" or MARKER_PREFIX in content))
     unique = len({p["reference"] for p in pointers})
     records = await s.store.records(handle.id)
-    replies = [i for i in await s.store.load_items(handle.id) if i["payload"]["kind"] == "assistant_message"]
-    echoed = [r for r in replies if MARKER_PREFIX in r["payload"]["text"]]
+    replies = [i for i in await s.store.load_items(handle.id) if i.payload["kind"] == "assistant_message"]
+    echoed = [r for r in replies if MARKER_PREFIX in r.payload["text"]]
     return {
         "passed": _laundering_clean(figures)
         and not failed
         and len(echoed) > 0
-        and all(r["payload"].get("tainted") for r in echoed)
+        and all(r.payload.get("tainted") for r in echoed)
         and figures["tool_trust_raises_refused"] >= 1
         and resolved == unique > 0
         and state.metrics.escalations >= 1
         and state.metrics.max_summary_depth == 2
-        and len({r["prefix_sha256"] for r in records}) == 1,
+        and len({r.prefix_sha256 for r in records}) == 1,
         "adversarial_model": s.adversarial,
         "session_id": handle.id,
         "turns": turns,
         **figures,
         "turns_failed": failed,
         "replies_echoing_untrusted": len(echoed),
-        "echoing_replies_untainted": sum(1 for r in echoed if not r["payload"].get("tainted")),
+        "echoing_replies_untainted": sum(1 for r in echoed if not r.payload.get("tainted")),
         "untrusted_bytes_in_summarizer_inputs": figures[
             "untrusted_marker_bytes_in_summarizer_inputs_outside_envelopes"
         ],
@@ -380,7 +381,7 @@ async def gate_compaction(s: Stack) -> dict[str, Any]:
         "max_depth": state.metrics.max_summary_depth,
         "compactions": state.metrics.compactions,
         "escalations": state.metrics.escalations,
-        "distinct_prefix_hashes": len({r["prefix_sha256"] for r in records}),
+        "distinct_prefix_hashes": len({r.prefix_sha256 for r in records}),
     }
 
 
@@ -427,7 +428,7 @@ async def gate_trust(s: Stack) -> dict[str, Any]:
     entries = ws_entries(fold(writes, count=counter.count, upto_turn=10**9))
     injected = [e for e in entries if "Trailrunner" in e.text]
     candidates = await s.store.candidates(handle.id)
-    untrusted_written = sum(1 for c in candidates if c["accepted"] and "Trailrunner" in c["text"])
+    untrusted_written = sum(1 for c in candidates if c.accepted and "Trailrunner" in c.text)
     memories = await s.store.memory_texts(scope)
     untainted = laundering["untainted_working_state_entries_from_untrusted"] + sum(1 for e in injected if not e.tainted)
     refused = laundering["tool_trust_raises_refused"] + figures["tool_trust_raises_refused"]
@@ -455,7 +456,7 @@ async def gate_trust(s: Stack) -> dict[str, Any]:
         "untrusted_bytes_in_summarizer_inputs": laundering["untrusted_bytes_in_summarizer_inputs"],
         "pointers_resolved": laundering["pointers_resolved"],
         "untrusted_derived_memories": untrusted_written,
-        "formation_candidates_rejected": sum(1 for c in candidates if not c["accepted"]),
+        "formation_candidates_rejected": sum(1 for c in candidates if not c.accepted),
     }
 
 
@@ -514,7 +515,11 @@ async def _budget_routes(s: Stack) -> dict[str, Any]:
     for ratio in (1.0, 1.2, 1.45):
         for window in (6_000, 12_000):
             sessions += 1
-            route = {"provider": "scripted", "model": f"budget-{run}-r{ratio}", "scripted_usage_ratio": ratio}
+            route = {
+                "provider": "scripted",
+                "model": f"budget-{run}-r{ratio}",
+                "provider_options": {"usage_ratio": ratio},
+            }
             handle = await s.start(
                 _open(model_route=route, budget={"context_window": window, "output_reserve": 800}), "budget"
             )
@@ -528,12 +533,12 @@ async def _budget_routes(s: Stack) -> dict[str, Any]:
                 await s.turn(handle, text)
             for r in await s.store.records(handle.id):
                 requests += 1
-                limit = r["plan"]["input_limit"]
-                actual = r["actual_input_tokens"] or 0
+                limit = r.plan["input_limit"]
+                actual = r.actual_input_tokens or 0
                 over_window += int(actual > limit)
                 worst_ratio = max(worst_ratio, actual / limit)
-                calibrated = r["inputs"]["profile"]["calibration"] != 1.0 or ratio == 1.0
-                underestimates_after += int(calibrated and r["estimated_tokens"] < actual)
+                calibrated = r.inputs["profile"]["calibration"] != 1.0 or ratio == 1.0
+                underestimates_after += int(calibrated and r.estimated_tokens < actual)
     return {
         "passed": over_window == 0 and underestimates_after == 0,
         "sessions": sessions,
@@ -596,11 +601,11 @@ async def gate_pairs(s: Stack) -> dict[str, Any]:
     checked = orphans_sent = 0
     prefix_rows: dict[int, Any] = {}
     for r in await s.store.records(handle.id):
-        request = await s.store.get_request(r["request_sha256"])
+        request = await s.store.get_request(r.request_sha256)
         assert request is not None
-        if r["epoch"] not in prefix_rows:
-            prefix_rows[r["epoch"]] = await s.store.get_prefix(handle.id, r["epoch"])
-        segs = [Segment.model_validate(x) for x in request["body"]]
+        if r.epoch not in prefix_rows:
+            prefix_rows[r.epoch] = await s.store.get_prefix(handle.id, r.epoch)
+        segs = [Segment.model_validate(x) for x in request.body]
         checked += 1
         orphans_sent += int(bool(find_orphans(segs)))
     crafted, rejected = crafted_orphans()

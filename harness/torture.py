@@ -255,8 +255,12 @@ class _Run:
 
     async def run(self) -> None:
         sc = self.script
-        route = {"provider": "scripted", "model": f"torture-{sc.seed}", "scripted_usage_ratio": sc.ratio}
-        route["context_window"] = sc.window
+        route: dict[str, Any] = {
+            "provider": "scripted",
+            "model": f"torture-{sc.seed}",
+            "provider_options": {"usage_ratio": sc.ratio},
+            "context_window": sc.window,
+        }
 
         handle = await self.s.start(
             _open(
@@ -288,7 +292,9 @@ class _Run:
             if op.kind == "rotate":
                 rotations += 1
                 new_route = ModelRoute(
-                    model=f"torture-{sc.seed}-r{rotations}", scripted_usage_ratio=sc.ratio, context_window=op.size
+                    model=f"torture-{sc.seed}-r{rotations}",
+                    provider_options={"usage_ratio": sc.ratio},
+                    context_window=op.size,
                 )
                 try:
                     await handle.execute_update(
@@ -322,26 +328,26 @@ class _Run:
 
     async def check_records(self, session_id: str) -> None:
         for r in await self.s.store.records(session_id):
-            actual = r["actual_input_tokens"]
+            actual = r.actual_input_tokens
             if actual is None:
                 continue
             self.f.requests += 1
-            limit = r["plan"]["input_limit"]
+            limit = r.plan["input_limit"]
             self.f.max_actual_over_limit = max(self.f.max_actual_over_limit, actual / limit)
             if actual > limit:
                 self.f.requests_over_window += 1
-                self.fail(f"request {r['turn']}.{r['call_index']}: {actual} tokens over its {limit} limit")
-            steps = [y["step"] for y in r["plan"]["yields"] if y["reason"] == "pressure"]
+                self.fail(f"request {r.turn}.{r.call_index}: {actual} tokens over its {limit} limit")
+            steps = [y["step"] for y in r.plan["yields"] if y["reason"] == "pressure"]
             ranks = [YIELD_RANK[s] for s in steps]
             out_of_order = ranks != sorted(ranks)
             if "active_tool_results_to_pointers" in steps:
                 self.f.active_yields += 1
-                request = await self.s.store.get_request(r["request_sha256"])
-                kinds = {seg["kind"] for seg in (request or {}).get("body", [])}
+                request = await self.s.store.get_request(r.request_sha256)
+                kinds = {seg["kind"] for seg in (request.body if request else [])}
                 out_of_order |= "recall" in kinds  # the active turn yields only after recall has gone
             if out_of_order:
                 self.f.yields_out_of_order += 1
-                self.fail(f"request {r['turn']}.{r['call_index']}: yields out of order: {steps}")
+                self.fail(f"request {r.turn}.{r.call_index}: yields out of order: {steps}")
 
 
 async def torture(stack: Any, scripts: list[Script]) -> Figures:

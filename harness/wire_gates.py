@@ -9,6 +9,7 @@ can assert that the gate failed for the reason it injected.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -285,15 +286,15 @@ async def rerender_prefixes(
 
     session = await store.get_session(session_id)
     assert session is not None
-    budget = SessionOpen.model_validate(session["open"]).context_budget()
-    epochs = sorted({int(r["epoch"]) for r in await store.records(session_id)})
+    budget = SessionOpen.model_validate(session.open).context_budget()
+    epochs = sorted({r.epoch for r in await store.records(session_id)})
     faults: list[str] = []
     identical = 0
     for epoch in epochs:
         row = await store.get_prefix(session_id, epoch)
         assert row is not None
         diff = compare_rerender(
-            row, secret=bytes(session["secret"]), budget=budget, counter_for=counter_for, render=render
+            dataclasses.asdict(row), secret=session.secret, budget=budget, counter_for=counter_for, render=render
         )
         if diff is None:
             identical += 1
@@ -372,7 +373,7 @@ async def wire_budget(
                 if t % 3 == 1:
                     text += '\n/call web.fetch {"url": "fixture://long"}'
                 await s.turn(handle, text)
-            records = [dict(r) for r in await s.store.records(handle.id)]
+            records = [dataclasses.asdict(r) for r in await s.store.records(handle.id)]
             result = check_wire_budget(list(server.requests), records, assume_reconciled=ratio == 1.0)
             for key in ("wire_requests_checked", "requests_over_window_by_server_count"):
                 figures[key] += result[key]

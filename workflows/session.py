@@ -78,7 +78,7 @@ class SessionWorkflow:
     def __init__(self, open_: SessionOpen) -> None:
         carried = open_.carried
         self.open: SessionOpen = open_.model_copy(update={"carried": None, "carried_results": {}})
-        self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.model_route)
+        self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.route)
         # Temporal de-duplicates update ids within a run only; recent results cross continue-as-new with us.
         self.results: dict[str, TurnResult] = dict(open_.carried_results)
         self.lock = asyncio.Lock()
@@ -220,7 +220,7 @@ class SessionWorkflow:
                 summary=f"seal failed turn {turn}",
             )
         except ActivityError:
-            pass  # the next turn's build seals it (activities/context.py `_seal_orphans`)
+            pass  # the next turn's build seals it (activities/lifecycle.py `seal_orphans`)
         self._publish()
         details = cause.details if isinstance(cause, ApplicationError) else ()
         return ApplicationError(f"turn {turn} failed: {message}", *details, type=type_, non_retryable=True)
@@ -388,7 +388,7 @@ class SessionWorkflow:
             except ActivityError as exc:
                 raise _retyped(exc, "RotationRefused")  # noqa: B904 (_retyped chains a new error to exc, never exc to itself)
             self.open = new_open
-            self.state.model_route = new_open.model_route
+            self.state.model_route = new_open.route
             self.state.removed_tools = removed
             for name in req.revoke_tools:
                 self.state.revoked_tools[name] = f"forced revocation ({req.reason})"

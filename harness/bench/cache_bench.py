@@ -858,7 +858,6 @@ class Meter:
             segments=[self._provider_segment(s) for s in segments],
             tools=[],
             max_output_tokens=1_024,
-            usage_ratio=1.0,
         )
         self.openai.send(render_chat_request(request)[0])
         kwargs = render_messages_request(request, history_cache=self.assembler.history_cache)[0]

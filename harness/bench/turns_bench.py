@@ -60,6 +60,7 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
+from harness.sessions import SCRIPTED
 from worker import connect, running_worker
 
 # Targets from the issue.
@@ -198,7 +199,9 @@ class _Bench:
     engine_turns: int = 0
 
     def session_open(self) -> SessionOpen:
-        return SessionOpen.model_validate({"agent_instructions": AGENT_INSTRUCTIONS, "tools": DEMO_TOOLS})
+        return SessionOpen.model_validate(
+            {"agent_instructions": AGENT_INSTRUCTIONS, "tools": DEMO_TOOLS, "model_route": SCRIPTED}
+        )
 
     async def engine(self, label: str) -> tuple[WorkflowHandle[Any, Any], Turn]:
         handle = await self.client.start_workflow(

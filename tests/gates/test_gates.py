@@ -3,6 +3,7 @@ stability) and a fresh PostgreSQL database each."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -137,11 +138,11 @@ class _DroppingResults:
 
     async def get_request(self, sha: str) -> Any:
         request = await self._store.get_request(sha)
-        body = list(request["body"])
+        body = list(request.body)
         first = next((i for i, s in enumerate(body) if s["kind"] == "tool_result"), None)
         if first is not None:
             del body[first]
-        return {**request, "body": body}
+        return dataclasses.replace(request, body=body)
 
 
 async def test_orphaned_result_fails_the_pairs_gate(temporal_client: Client, pg_dsn: str) -> None:

@@ -13,6 +13,7 @@ from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from contract import names
 from contract.payloads import ActivityTimeouts, SessionOpen, TurnInput, TurnResult
+from harness.sessions import SCRIPTED
 from worker import running_worker
 
 FAST = ActivityTimeouts(build_seconds=5, model_seconds=5, model_heartbeat_seconds=5, tool_seconds=5)
@@ -23,6 +24,7 @@ def session_open(**overrides: Any) -> SessionOpen:
         "agent_instructions": "You are a careful research assistant. Cite what tools return.",
         "tools": DEMO_TOOLS,
         "timeouts": FAST,
+        "model_route": SCRIPTED,  # named: the tests' workers are not on the embedded services' defaults
     }
     values.update(overrides)
     return SessionOpen.model_validate(values)

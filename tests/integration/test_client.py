@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
+from activities.rows import StoredPrefix
 from activities.store import Store
 from contract import names
 from contract.payloads import ChildRunInput, ChildRunResult, GrantTool, RevokeTool
@@ -38,7 +39,9 @@ def control(*ops: dict[str, Any]) -> str:
 
 
 async def region_b(store: Store, request_sha256: str, kind: str) -> str:
-    body = (await store.get_request(request_sha256))["body"]
+    request = await store.get_request(request_sha256)
+    assert request is not None
+    body = request.body
     return "\n".join(s["text"] for s in body if s["kind"] == kind)
 
 
@@ -187,12 +190,17 @@ async def test_delete_memory(temporal_client: Client, pg_dsn: str, task_queue: s
         await s.rotate_epoch("model_route_changed", model_route=session_open().model_route)
         rotated = await s.submit_turn("where do I live? Bergen?")
         assert rotated.epoch == 2
-        assert "Bergen" not in (await store.get_prefix(s.session_id, 2))["prefix"]["text"]
+        assert "Bergen" not in _prefix_text(await store.get_prefix(s.session_id, 2))
         assert not await region_b(store, rotated.plan.request_sha256, "correction")
         other = await ctx.start_session(session_open())
         fresh = await other.submit_turn("where do I live? Bergen?")
-        assert "Bergen" not in (await store.get_prefix(other.session_id, 1))["prefix"]["text"]
+        assert "Bergen" not in _prefix_text(await store.get_prefix(other.session_id, 1))
         assert "Bergen" not in await region_b(store, fresh.plan.request_sha256, "recall")
+
+
+def _prefix_text(stored: StoredPrefix | None) -> str:
+    assert stored is not None
+    return str(stored.prefix["text"])
 
 
 async def _rows_mentioning(store: Store, needles: list[str]) -> dict[str, int]:
@@ -233,7 +241,7 @@ async def test_purge_leaves_nothing(temporal_client: Client, pg_dsn: str, task_q
             await ctx.purge(s.session_id)
         await s.close()
         records = await store.records(s.session_id)
-        needles = [s.session_id, *{r["request_sha256"] for r in records}, *{r["prefix_sha256"] for r in records}]
+        needles = [s.session_id, *{r.request_sha256 for r in records}, *{r.prefix_sha256 for r in records}]
         needles += [r["memory_id"] for r in await store.pool.fetch("SELECT memory_id FROM memories")]
         before = await _rows_mentioning(store, needles)
         assert {"items", "artifacts", "checkpoints", "events", "rendered_requests", "memories"} <= set(before)

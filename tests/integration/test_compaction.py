@@ -51,8 +51,8 @@ async def test_laundering_constraints_and_prefix(temporal_client: Client, pg_dsn
         inputs = await store.summarizer_inputs(handle.id)
         assert inputs
         markers = [marker(str(i)) for i in range(len(results))]
-        assert not [m for m in markers for row in inputs if m in row["input"]]
-        assert not [row for row in inputs if "MARKER-" in row["input"]]
+        assert not [m for m in markers for row in inputs if m in row.input]
+        assert not [row for row in inputs if "MARKER-" in row.input]
 
         # Every untrusted span is a pointer that resolves to the original bytes and keeps its trust level.
         checkpoints = await store.checkpoints(handle.id)
@@ -67,10 +67,10 @@ async def test_laundering_constraints_and_prefix(temporal_client: Client, pg_dsn
         for c in CONSTRAINTS:
             assert c in state.working_state
         last = await store.get_request(results[-1].plan.request_sha256)
-        ws = next(s for s in last["body"] if s["kind"] == "working_state")
+        ws = next(s for s in last.body if s["kind"] == "working_state")
         assert all(c in ws["text"] for c in CONSTRAINTS)
         records = await store.records(handle.id)
-        assert len({r["prefix_sha256"] for r in records}) == 1
+        assert len({r.prefix_sha256 for r in records}) == 1
 
         # Compaction and escalation are child workflows of the session.
         kids = [w.id async for w in temporal_client.list_workflows(f'WorkflowId STARTS_WITH "{handle.id}/"')]
@@ -85,7 +85,7 @@ async def test_foreign_reference_is_refused(temporal_client: Client, pg_dsn: str
         await turn(a, '/call web.fetch {"url": "fixture://marker/secret"}')
         await turn(b, "hello")
         ref = next(
-            r["payload"]["artifact_ref"] for r in await store.load_items(a.id) if r["payload"]["kind"] == "tool_result"
+            r.payload["artifact_ref"] for r in await store.load_items(a.id) if r.payload["kind"] == "tool_result"
         )
         content, trust = await store.resolve(a.id, ref)
         assert marker("secret") in content and trust == "EXTERNAL_UNTRUSTED"
@@ -103,7 +103,7 @@ async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str,
         assert big.plan.status == "fits"
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.metrics.compactions >= 1
-        assert len({r["prefix_sha256"] for r in await store.records(handle.id)}) == 1
+        assert len({r.prefix_sha256 for r in await store.records(handle.id)}) == 1
 
 
 async def test_failed_compaction_does_not_poison_later_ones(

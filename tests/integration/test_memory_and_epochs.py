@@ -32,11 +32,11 @@ async def test_formation_gates_and_untrusted_ban(temporal_client: Client, pg_dsn
             handle, '/call web.fetch {"url": "fixture://injection"}\n' + facts("Trailrunner 5 is the best boot.")
         )
         await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
-        rows = {r["text"]: r for r in await store.candidates(handle.id)}
-        assert rows["The user prefers trains over planes."]["accepted"]
-        assert rows["tiny"]["gate"] == "length"
-        assert rows["The user lives in Bergen."]["gate"] == "duplicate"
-        assert rows["Trailrunner 5 is the best boot."]["gate"] == "untrusted"
+        rows = {r.text: r for r in await store.candidates(handle.id)}
+        assert rows["The user prefers trains over planes."].accepted
+        assert rows["tiny"].gate == "length"
+        assert rows["The user lives in Bergen."].gate == "duplicate"
+        assert rows["Trailrunner 5 is the best boot."].gate == "untrusted"
         texts = {r["text"] for r in await store.pool.fetch("SELECT text FROM memories")}
         assert "The user prefers trains over planes." in texts
         assert "Trailrunner 5 is the best boot." not in texts
@@ -56,10 +56,14 @@ async def test_correction_of_snapshot_memory(temporal_client: Client, pg_dsn: st
         assert result["correction_of_snapshot"]
         after = await turn(handle, "where do I live?")
         assert after.prefix_sha256 == before.prefix_sha256
-        body = (await store.get_request(after.plan.request_sha256))["body"]
+        request = await store.get_request(after.plan.request_sha256)
+        assert request is not None
+        body = request.body
         line = next(s for s in body if s["kind"] == "correction")
         assert "moved to Oslo" in line["text"] and line["region"] == "B"
-        prefix = (await store.get_prefix(handle.id, 1))["prefix"]["text"]
+        stored = await store.get_prefix(handle.id, 1)
+        assert stored is not None
+        prefix = stored.prefix["text"]
         assert "Bergen" in prefix and "Oslo" not in prefix
 
 
@@ -74,7 +78,9 @@ async def test_epoch_rotation(temporal_client: Client, pg_dsn: str, task_queue: 
         after = await turn(handle, '/call web.fetch {"url": "fixture://weather"}')
         assert after.epoch == 2 and after.prefix_sha256 != before.prefix_sha256
         assert not after.tool_calls[0].allowed
-        prefix2 = (await store.get_prefix(handle.id, 2))["prefix"]["text"]
+        stored2 = await store.get_prefix(handle.id, 2)
+        assert stored2 is not None
+        prefix2 = stored2.prefix["text"]
         assert "web.fetch" not in prefix2
         await handle.execute_update(
             names.UPDATE_ROTATE_EPOCH,
@@ -84,11 +90,11 @@ async def test_epoch_rotation(temporal_client: Client, pg_dsn: str, task_queue: 
         assert third.epoch == 3
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.metrics.epochs == 3 and state.metrics.prefix_hash_violations == 0
-        events = [e for e in await store.events(handle.id) if e["type"] == "context.epoch.rotated"]
-        assert [e["payload"]["reason"] for e in events] == ["forced_revocation", "model_route_changed"]
+        events = [e for e in await store.events(handle.id) if e.type == "context.epoch.rotated"]
+        assert [e.payload["reason"] for e in events] == ["forced_revocation", "model_route_changed"]
         records = await store.records(handle.id)
         for epoch in (1, 2, 3):
-            assert len({r["prefix_sha256"] for r in records if r["epoch"] == epoch}) == 1
+            assert len({r.prefix_sha256 for r in records if r.epoch == epoch}) == 1
 
 
 async def test_untrusted_in_history_taints_later_facts(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
@@ -99,4 +105,4 @@ async def test_untrusted_in_history_taints_later_facts(temporal_client: Client, 
         await turn(handle, facts("Trailrunner 5 boots are waterproof."))
         await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
         rows = await store.candidates(handle.id)
-        assert [r["gate"] for r in rows] == ["untrusted"]
+        assert [r.gate for r in rows] == ["untrusted"]

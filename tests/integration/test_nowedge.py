@@ -35,8 +35,8 @@ async def _refused(handle: WorkflowHandle[Any, Any], name: str, arg: Any, timeou
 
 
 async def _snapshot(store: Store, session_id: str) -> tuple[Any, ...]:
-    items = [(r["seq"], r["payload"]["id"]) for r in await store.load_items(session_id)]
-    records = [(r["turn"], r["call_index"]) for r in await store.records(session_id)]
+    items = [(r.seq, r.payload["id"]) for r in await store.load_items(session_id)]
+    records = [(r.turn, r.call_index) for r in await store.records(session_id)]
     return items, records
 
 
@@ -68,11 +68,11 @@ async def test_ten_thousand_calls_in_one_turn_are_capped(temporal_client: Client
         result = await asyncio.wait_for(turn(handle, "/call x\n" * 10_000), timeout=100)
         assert len(result.tool_calls) == 64
         rows = await store.load_items(handle.id)
-        calls = [r for r in rows if r["payload"]["kind"] == "tool_call"]
-        results = [r for r in rows if r["payload"]["kind"] == "tool_result"]
+        calls = [r for r in rows if r.payload["kind"] == "tool_call"]
+        results = [r for r in rows if r.payload["kind"] == "tool_result"]
         assert len(calls) == len(results) == 65
-        refusal = next(r for r in results if "refused" in r["payload"]["content"])
-        assert "10,000 tool calls" in refusal["payload"]["content"]
+        refusal = next(r for r in results if "refused" in r.payload["content"])
+        assert "10,000 tool calls" in refusal.payload["content"]
         events = [e async for e in handle.fetch_history_events()]
         # The per-activity figure the bound is computed with holds on a real history.
         assert len(events) <= bounds.turn_events(per_reply=64, per_turn=256) + 50
@@ -102,7 +102,7 @@ async def test_reused_session_id_is_refused_and_serves_nothing_of_the_old_one(
         assert "opened at" in str(cause) and "closed at" in str(cause)
         assert len(await store.records(sid)) == records_before  # no request was built for the second owner
         row = await store.get_session(sid)
-        assert row["open"]["agent_instructions"] == "FIRST-OWNER"
+        assert row is not None and row.open["agent_instructions"] == "FIRST-OWNER"
 
 
 async def test_failed_start_does_not_poison_its_id(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
@@ -118,7 +118,7 @@ async def test_failed_start_does_not_poison_its_id(temporal_client: Client, pg_d
         result = await asyncio.wait_for(turn(good, "hello"), timeout=30)
         assert result.turn == 1 and result.text.startswith("Noted")
         row = await store.get_session(sid)
-        assert row["open"]["agent_instructions"] == "FIXED"
+        assert row is not None and row.open["agent_instructions"] == "FIXED"
 
 
 async def test_slow_model_fails_the_turn_not_the_session(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
@@ -134,7 +134,7 @@ async def test_slow_model_fails_the_turn_not_the_session(temporal_client: Client
         after = await asyncio.wait_for(turn(handle, "quick one"), timeout=30)
         assert after.turn == 2
         # The failed turn left nothing half-written: its message, no reply from a late attempt.
-        kinds = [r["payload"]["kind"] for r in await store.load_items(handle.id)]
+        kinds = [r.payload["kind"] for r in await store.load_items(handle.id)]
         assert kinds == ["user_message", "user_message", "assistant_message"]
         await _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession())
 
@@ -154,7 +154,7 @@ async def test_failed_turn_leaves_no_orphan_in_a_later_request(
         )
         result = await asyncio.wait_for(turn(handle, "next"), timeout=30)
         assert result.turn == 2
-        rows = {r["payload"]["id"]: r["payload"] for r in await store.load_items(handle.id)}
+        rows = {r.payload["id"]: r.payload for r in await store.load_items(handle.id)}
         assert rows["t1.m9.call0.result"]["is_error"]
 
 
@@ -198,7 +198,7 @@ async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue
         message = await _refused(handle, names.UPDATE_WRITE_MEMORY, WriteMemory(text="second", memory_id="m1"))
         assert message.startswith("MemoryIdTaken")
         row = await store.get_memory("default", "m1")
-        assert row["text"] == "first"
+        assert row is not None and row.text == "first"
 
         outcomes = await asyncio.gather(
             _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession()),

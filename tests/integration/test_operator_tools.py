@@ -27,7 +27,7 @@ def _instructions_measuring(tokens: int) -> str:
     for _ in range(6):
         text = "rule" + " rule" * (words - 1)
         open_ = SessionOpen(agent_instructions=text)
-        got = validate_config(open_, open_.model_route, lambda _: counter)["classes"]["agent_instructions"]["tokens"]
+        got = validate_config(open_, open_.route, lambda _: counter)["classes"]["agent_instructions"]["tokens"]
         if got == tokens:
             return text
         words += tokens - got
@@ -117,10 +117,10 @@ class TestValidateFloor:
 
         counter = TiktokenCounter()
         open_ = session_open(budget={"output_reserve": 600})
-        report = validate_config(open_, open_.model_route, lambda _: counter, message_tokens=300, tool_results=4)
+        report = validate_config(open_, open_.route, lambda _: counter, message_tokens=300, tool_results=4)
         floor = report["min_context_window"]
         assert 600 + report["prefix_tokens"] + 300 < floor < 16_384
-        estimator = TokenEstimator(open_.model_route.profile(), counter)
+        estimator = TokenEstimator(open_.route.profile(), counter)
         loose = report  # the prefix is measured the same way validate measures it
         assert loose["floor_for"] == {"message_tokens": 300, "tool_results": 4}
         tools = [t for t in validate_prefix_tools(open_)]
@@ -141,7 +141,7 @@ class TestValidateFloor:
         counter = TiktokenCounter()
         open_ = session_open(budget={"output_reserve": 600})
         floors = [
-            validate_config(open_, open_.model_route, lambda _: counter, tool_results=n)["min_context_window"]
+            validate_config(open_, open_.route, lambda _: counter, tool_results=n)["min_context_window"]
             for n in (0, 4, 8)
         ]
         assert floors == sorted(floors) and floors[0] < floors[2]

@@ -115,18 +115,18 @@ async def assert_log(store: Store, session_id: str, expected: list[tuple[int, st
     """The session's items are exactly `expected` (nothing lost, nothing twice, seqs 0..n-1), every request
     record has its usage, and all of them carry one prefix hash, which is returned."""
     rows = await store.load_items(session_id)
-    assert [r["seq"] for r in rows] == list(range(len(rows)))
-    assert [(r["turn"], r["payload"]["id"], r["payload"]["kind"]) for r in rows] == expected
+    assert [r.seq for r in rows] == list(range(len(rows)))
+    assert [(r.turn, r.payload["id"], r.payload["kind"]) for r in rows] == expected
     records = await store.records(session_id)
     calls_per_turn: dict[int, int] = {}
     for turn_no, item_id, _ in expected:
         if item_id.endswith(".text"):  # t{turn}.m{k}.text: the turn's last model call is k
             calls_per_turn[turn_no] = int(item_id.split(".")[1][1:]) + 1
-    assert [(r["turn"], r["call_index"]) for r in records] == [
+    assert [(r.turn, r.call_index) for r in records] == [
         (t, k) for t, n in sorted(calls_per_turn.items()) for k in range(n)
     ]
-    assert all(r["actual_input_tokens"] for r in records), "a model call's usage was not recorded"
-    hashes = {r["prefix_sha256"] for r in records}
+    assert all(r.actual_input_tokens for r in records), "a model call's usage was not recorded"
+    hashes = {r.prefix_sha256 for r in records}
     assert len(hashes) == 1, f"prefix hash moved: {hashes}"
     return str(hashes.pop())
 

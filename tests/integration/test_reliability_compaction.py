@@ -68,7 +68,7 @@ async def test_worker_killed_during_compaction(
             ids = [c["checkpoint_id"] for c in checkpoints]
             assert ids.count("cp-1") == 1 and len(ids) == len(set(ids))
             calls = await store.summarizer_inputs(handle.id)
-            assert len({(r["checkpoint_id"], r["chunk_index"]) for r in calls}) == len(calls)
+            assert len({(r.checkpoint_id, r.chunk_index) for r in calls}) == len(calls)
             records = await store.records(handle.id)
-            assert len({r["prefix_sha256"] for r in records}) == 1
+            assert len({r.prefix_sha256 for r in records}) == 1
         assert result is not None and after.turn == state.turns

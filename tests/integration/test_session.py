@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from contract import names
-from contract.payloads import RevokeTool, SessionState, WriteMemory
+from contract.payloads import ModelRoute, RevokeTool, SessionOpen, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -25,8 +27,8 @@ async def test_plain_turns_keep_one_prefix(temporal_client: Client, pg_dsn: str,
         assert len({r.prefix_sha256 for r in results}) == 1
         records = await store.records(handle.id)
         assert len(records) == 3
-        assert {r["prefix_sha256"] for r in records} == {results[0].prefix_sha256}
-        assert all(r["actual_input_tokens"] and r["actual_input_tokens"] <= r["estimated_tokens"] for r in records)
+        assert {r.prefix_sha256 for r in records} == {results[0].prefix_sha256}
+        assert all(r.actual_input_tokens and r.actual_input_tokens <= r.estimated_tokens for r in records)
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.turns == 3 and state.metrics.prefix_hash_violations == 0
         # Later requests are stored as what they added to the previous one; read back, they are whole.
@@ -36,8 +38,8 @@ async def test_plain_turns_keep_one_prefix(temporal_client: Client, pg_dsn: str,
         assert isinstance(raw, dict) and raw["keep"] > 0
         whole = await store.get_request(results[2].plan.request_sha256)
         prefix = await store.get_prefix(handle.id, 1)
-        assert len(whole["body"]) == results[2].plan.segments - len(prefix["prefix"]["segments"])
-        text = prefix["prefix"]["text"] + "".join(seg["text"] for seg in whole["body"])
+        assert len(whole.body) == results[2].plan.segments - len(prefix.prefix["segments"])
+        text = prefix.prefix["text"] + "".join(seg["text"] for seg in whole.body)
         assert hashlib.sha256(text.encode()).hexdigest() == results[2].plan.request_sha256
 
 
@@ -53,10 +55,10 @@ async def test_tool_call_untrusted_result_and_revocation(temporal_client: Client
         assert "revoked" in second.tool_calls[0].summary
         assert first.prefix_sha256 == second.prefix_sha256
         items = await store.load_items(handle.id)
-        results = [r["payload"] for r in items if r["payload"]["kind"] == "tool_result"]
+        results = [r.payload for r in items if r.payload["kind"] == "tool_result"]
         assert results[0]["trust"] == "EXTERNAL_UNTRUSTED" and results[0]["artifact_ref"].startswith("artifact:")
         request = await store.get_request(second.plan.request_sha256)
-        untrusted = [s for s in request["body"] if s["trust"] == "EXTERNAL_UNTRUSTED"]
+        untrusted = [s for s in request.body if s["trust"] == "EXTERNAL_UNTRUSTED"]
         assert untrusted and all(s["text"].startswith("<<ctx:") for s in untrusted)
 
 
@@ -90,7 +92,7 @@ async def test_memory_write_reaches_recall_not_prefix(temporal_client: Client, p
         after = await turn(handle, "what is my dog called?")
         assert after.prefix_sha256 == before.prefix_sha256
         request = await store.get_request(after.plan.request_sha256)
-        assert any(s["kind"] == "recall" and "Rufus" in s["text"] for s in request["body"])
+        assert any(s["kind"] == "recall" and "Rufus" in s["text"] for s in request.body)
 
 
 async def test_malformed_updates_are_rejected(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
@@ -147,14 +149,14 @@ async def test_unknown_session_and_oversized_input(temporal_client: Client, pg_d
             )
         handle = await start(temporal_client, task_queue)
         await turn(handle, "first")
-        before = [r["payload"]["id"] for r in await store.load_items(handle.id)]
+        before = [r.payload["id"] for r in await store.load_items(handle.id)]
         with pytest.raises(WorkflowUpdateFailedError) as info:
             await handle.execute_update(names.UPDATE_SUBMIT_TURN, {"text": "x" * 100_001})
         assert "at most 100000 characters" in str(info.value.cause.__cause__ or info.value.cause)
         with pytest.raises(WorkflowUpdateFailedError) as info:
             await handle.execute_update(names.UPDATE_SUBMIT_TURN, {"txt": "typo"})
         assert "text" in str(info.value.cause.__cause__ or info.value.cause)
-        assert [r["payload"]["id"] for r in await store.load_items(handle.id)] == before
+        assert [r.payload["id"] for r in await store.load_items(handle.id)] == before
         assert (await turn(handle, "still usable")).turn == 2
 
 
@@ -197,3 +199,24 @@ async def test_bad_start_input_fails_with_the_field(temporal_client: Client, pg_
         with pytest.raises(WorkflowFailureError) as info:
             await handle.result()
         assert "budget.output_reserve" in str(info.value.cause)
+
+
+async def test_a_session_without_a_model_route(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A session that names no model_route fails at open on a worker that is not on the embedded services
+    (typed, non-retryable, naming the field, nothing stored); a worker on them gives it the scripted model."""
+    unrouted = SessionOpen.model_validate(session_open().model_dump(exclude={"model_route"}))
+    assert unrouted.model_route is None
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, unrouted)
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(handle.result(), timeout=30)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "ModelRouteRequired" and cause.non_retryable
+        assert cause.message.startswith("session failed to open: model_route: required on this worker")
+        assert await store.get_session(handle.id) is None
+    embedded_queue = f"{task_queue}-embedded"
+    async with stack(temporal_client, pg_dsn, embedded_queue, embedded_services=True):
+        handle = await start(temporal_client, embedded_queue, unrouted)
+        assert (await turn(handle, "hello")).turn == 1
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.model_route == ModelRoute(provider="scripted", model="scripted-1")

@@ -1,0 +1,181 @@
+"""The build activity: log the turn's user message (once), load the request's inputs by reference, run the
+pure builder, store the request and its record, and report a second prefix hash in an epoch as a defect.
+
+`BuildActivities._plan` is the one step from stored inputs to a plan; the harness's prefix fault overrides it
+(harness/faults.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.assembly import RequestInputs, StoredMemory, body_inputs
+from activities.lifecycle import seal_orphans
+from activities.minimum_body import check_turn_fits, turn_too_large
+from activities.session_state import SessionCache, SessionState, snapshot_ids, working_state
+from contract import names
+from contract.activity_interfaces import BuildCalls
+from contract.events import EventType
+from contract.payloads import BuildInput, BuildResult, SessionOpen
+from core.build import BodyInputs, FrozenPrefix, build
+from core.compaction import Checkpoint
+from core.errors import ContextError, TurnTooLargeError
+from core.estimator import TokenEstimator
+from core.explain import first_difference
+from core.items import Region, TrustLevel
+from core.plan import ContextPlan
+from core.rendering import ESCAPING_FINGERPRINT
+from core.working_state import holds_tainted, render
+
+log = structlog.get_logger("ctxengine.activities")
+
+
+class BuildActivities(BuildCalls):
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+
+    @activity.defn(name=names.ACTIVITY_BUILD)
+    async def build_context(self, inp: BuildInput) -> BuildResult:
+        """Append the user message (once), load inputs by reference, build, store the request, return a summary."""
+        state, store = self.state, self.state.store
+        bound = log.bind(session_id=inp.session_id, turn=inp.turn, epoch=inp.epoch)
+        open_, secret, cache = await state.session(inp.session_id)
+        user_item_id = inp.user_item_id
+        if inp.user_text is not None:
+            await seal_orphans(state, inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran")
+            user_item_id = f"u:{inp.update_id or inp.turn}"
+            await check_turn_fits(state, inp, open_, secret, cache, user_item_id)
+            await store.append_items(
+                inp.session_id,
+                inp.turn,
+                [
+                    {
+                        "id": user_item_id,
+                        "kind": "user_message",
+                        "trust": TrustLevel.USER.value,
+                        "text": inp.user_text,
+                    }
+                ],
+            )
+        prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
+        profile = await state.profile(profile)
+        estimator = TokenEstimator(profile, state.counter(profile.encoding))
+        if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
+            # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):
+            # body bytes may differ from earlier requests. Say so; the operator rotates the epoch.
+            bound.warning(
+                "rendering.fingerprint_changed",
+                epoch_fingerprint=prefix.escaping_fingerprint,
+                worker_fingerprint=ESCAPING_FINGERPRINT,
+            )
+        plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
+        inputs = ri.model_dump(mode="json")
+        body_segments = plan.segments[len(prefix.segments) :]
+        base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
+        await store.put_request(
+            plan.request_sha256,
+            plan.prefix_sha256,
+            [cache.json_of(s) for s in body_segments[keep:]],
+            base=base,
+            keep=keep,
+        )
+        cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
+        hashes = await store.record_request(
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            epoch=inp.epoch,
+            prefix_sha256=plan.prefix_sha256,
+            request_sha256=plan.request_sha256,
+            estimated_tokens=plan.estimated_tokens,
+            raw_tokens=plan.raw_tokens,
+            plan=plan.summary().model_dump(mode="json"),
+            inputs=inputs,
+        )
+        if len(hashes) > 1 and plan.prefix_sha256 != hashes[0].prefix_sha256:
+            # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
+            epoch_prefix, _ = await state.prefix(inp.session_id, inp.epoch, cache)
+            # What the plan actually holds as Region A, against what the epoch stored.
+            sent = [seg for seg in plan.segments if seg.region is Region.A]
+            diff = first_difference(epoch_prefix.segments, sent)
+            await state.event(
+                inp.session_id,
+                f"violation:{inp.epoch}:{plan.prefix_sha256}",
+                EventType.PREFIX_VIOLATION,
+                inp.turn,
+                inp.epoch,
+                {
+                    "expected": epoch_prefix.sha256,
+                    "got": plan.prefix_sha256,
+                    "distinct_in_epoch": len(hashes),
+                    "first_difference": diff.model_dump() if diff else None,
+                },
+            )
+        if plan.yields:
+            await state.event(
+                inp.session_id,
+                f"yield:{inp.turn}:{inp.call_index}",
+                EventType.YIELD_APPLIED,
+                inp.turn,
+                inp.epoch,
+                {"yields": [y.model_dump(mode="json") for y in plan.yields]},
+            )
+        bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
+        return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
+
+    async def _plan(
+        self,
+        inp: BuildInput,
+        open_: SessionOpen,
+        secret: bytes,
+        cache: SessionCache,
+        prefix: FrozenPrefix,
+        estimator: TokenEstimator,
+        user_item_id: str | None,
+    ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
+        """The request's inputs, read from the store by reference, and the plan the pure builder makes of them."""
+        state, store = self.state, self.state.store
+        items = await state.items(inp.session_id, cache)
+        checkpoint_json = await store.latest_checkpoint(inp.session_id)
+        checkpoint = Checkpoint.model_validate(checkpoint_json) if checkpoint_json else None
+        writes = await store.working_state_writes(inp.session_id)
+        ws = working_state(writes, estimator.counter.count, inp.turn + 1)
+        in_snapshot = snapshot_ids(prefix)
+        user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
+        query = user.body_text() if user is not None else ""
+        recall_rows = await store.search_memories(open_.memory_scope, query, limit=10, exclude=in_snapshot)
+        correction_rows = await store.corrections(open_.memory_scope, in_snapshot)
+        ri = RequestInputs(
+            turn=inp.turn,
+            call_index=inp.call_index,
+            max_seq=items[-1].seq if items else -1,
+            user_item_id=user_item_id,
+            checkpoint_id=checkpoint.checkpoint_id if checkpoint else None,
+            recall=[StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust) for r in recall_rows],
+            corrections=[
+                StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust, corrects=r.corrects)
+                for r in correction_rows
+            ],
+            working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+            working_state_tainted=holds_tainted(ws),
+            now_iso=inp.now_iso,
+            profile=estimator.profile,
+            budget=open_.context_budget(estimator.profile),
+        )
+        body = body_inputs(items, checkpoint, ri)
+        try:
+            plan = build(
+                prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
+            )
+        except TurnTooLargeError as exc:
+            raise turn_too_large(exc, logged=True) from exc
+        except ContextError as exc:
+            raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
+        return plan, ri, body
+
+    def all(self) -> list[Any]:
+        return [self.build_context]

@@ -1,0 +1,126 @@
+"""Whether the smallest request a turn can make fits beside a prefix: a message, the working state, the
+corrections and the clock. Checked before a user message is logged (else the turn fails alone, TurnTooLarge)
+and before a rotation to another model route (else the rotation is refused, RotationRefused).
+"""
+
+from __future__ import annotations
+
+from temporalio.exceptions import ApplicationError
+
+from activities.assembly import RequestInputs, StoredMemory, body_inputs
+from activities.session_state import SessionCache, SessionState, snapshot_ids, working_state
+from contract.payloads import BuildInput, OpenInput, SessionOpen
+from core.budget import ContextBudget
+from core.build import FrozenPrefix, build
+from core.errors import RouteDoesNotFitError, TurnTooLargeError
+from core.estimator import ModelProfile, TokenEstimator
+from core.items import TrustLevel, UserMessage
+from core.working_state import render
+
+# A rotation to another route must leave room for a message of this many tokens beside the minimum body.
+ROUTE_CHECK_MESSAGE_TOKENS = 256
+
+
+async def check_route_fits(
+    state: SessionState,
+    inp: OpenInput,
+    prefix: FrozenPrefix,
+    estimator: TokenEstimator,
+    budget: ContextBudget,
+    secret: bytes,
+) -> None:
+    """A rotation to another model route: the minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the
+    working state, corrections, the clock) must fit under the new route's estimate, or it is refused."""
+    previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
+    if previous is None or ModelProfile.model_validate(previous.profile).route == estimator.profile.route:
+        return
+    message = UserMessage(id="u:route-check", seq=0, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+    try:
+        await _build_minimum(
+            state,
+            inp.session_id,
+            inp.open.memory_scope,
+            prefix,
+            estimator,
+            budget,
+            secret,
+            message=message,
+            turn=0,
+            upto_turn=10**9,
+            now_iso="2000-01-01T00:00:00+00:00",
+        )
+    except TurnTooLargeError as exc:
+        refused = RouteDoesNotFitError(
+            estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
+        )
+        raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
+
+
+async def check_turn_fits(
+    state: SessionState, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: SessionCache, user_item_id: str
+) -> None:
+    """Before the user message is logged: its minimum body (message, working state, corrections, clock)
+    must fit beside the prefix, or the turn fails alone with TurnTooLarge and nothing is appended."""
+    assert inp.user_text is not None
+    prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
+    estimator = TokenEstimator(await state.profile(profile), state.counter(profile.encoding))
+    message = UserMessage(id=user_item_id, seq=0, text=inp.user_text, trust=TrustLevel.USER)
+    try:
+        await _build_minimum(
+            state,
+            inp.session_id,
+            open_.memory_scope,
+            prefix,
+            estimator,
+            open_.context_budget(estimator.profile),
+            secret,
+            message=message,
+            turn=inp.turn,
+            upto_turn=inp.turn + 1,
+            now_iso=inp.now_iso,
+        )
+    except TurnTooLargeError as exc:
+        raise turn_too_large(exc, logged=False) from exc
+
+
+def turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:
+    """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details. `logged`:
+    whether the turn's message was already in the log (its tool calls' results did not fit as pointers)."""
+    return ApplicationError(str(exc), {**exc.details(), "logged": logged}, type="TurnTooLarge", non_retryable=True)
+
+
+async def _build_minimum(
+    state: SessionState,
+    session_id: str,
+    memory_scope: str,
+    prefix: FrozenPrefix,
+    estimator: TokenEstimator,
+    budget: ContextBudget,
+    secret: bytes,
+    *,
+    message: UserMessage,
+    turn: int,
+    upto_turn: int,
+    now_iso: str,
+) -> None:
+    """Build the request of `message` alone beside the prefix (no history, no recall); raises
+    TurnTooLargeError when it does not fit."""
+    writes = await state.store.working_state_writes(session_id)
+    ws = working_state(writes, estimator.counter.count, upto_turn)
+    correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
+    ri = RequestInputs(
+        turn=turn,
+        call_index=0,
+        max_seq=0,
+        user_item_id=message.id,
+        checkpoint_id=None,
+        corrections=[
+            StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust, corrects=r.corrects)
+            for r in correction_rows
+        ],
+        working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
+        now_iso=now_iso,
+        profile=estimator.profile,
+        budget=budget,
+    )
+    build(prefix, body_inputs([message], None, ri), budget=budget, estimator=estimator, secret=secret)

@@ -1,0 +1,258 @@
+"""The model call: send the stored request through the provider port, log the reply (all or none of it), record
+usage and the wire prefix, and reconcile the estimator. A retry after the reply was stored never asks the
+model twice.
+
+`ModelCallActivities.reply_tainted` decides a reply's taint; the harness's taint fault overrides it
+(harness/faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.provider import ProviderRequest
+from activities.session_state import SessionState, provider_segment
+from activities.wire import WirePrefix
+from contract import names
+from contract.activity_interfaces import ModelCalls
+from contract.events import EventType
+from contract.payloads import ModelInput, ModelResult, ToolCallRequest
+from core.estimator import reconcile
+from core.explain import first_wire_difference
+from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
+
+T = TypeVar("T")
+
+
+class ModelCallActivities(ModelCalls):
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+
+    def reply_tainted(self, plan: dict[str, Any]) -> bool:
+        """Whether a reply to the request planned as `plan` is tainted: untrusted content was in its view."""
+        return bool(plan.get("untrusted_in_view", False))
+
+    @activity.defn(name=names.ACTIVITY_MODEL)
+    async def call_model(self, inp: ModelInput) -> ModelResult:
+        """Send the stored request through the provider port, append the reply, record usage, reconcile."""
+        state, store = self.state, self.state.store
+        open_, _, cache = await state.session(inp.session_id)
+        record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
+        if record is None or record.request_sha256 != inp.request_sha256:
+            raise ApplicationError(
+                f"no stored request {inp.request_sha256} for turn {inp.turn}",
+                type="UnknownRequest",
+                non_retryable=True,
+            )
+        prefix, epoch_profile = await state.prefix(inp.session_id, inp.epoch, cache)
+        base = f"t{inp.turn}.m{inp.call_index}."
+        logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
+        if logged and record.actual_input_tokens is not None:
+            # A retry after the reply was stored: never ask the model twice for one request.
+            return _model_result(
+                logged,
+                record.actual_input_tokens,
+                record.cached_tokens or 0,
+                record.output_tokens or 0,
+                record.estimated_tokens,
+                overrun=None,
+            )
+        built = cache.built.get(inp.request_sha256)
+        if built is not None:  # built on this worker: no need to read the request back
+            segments = [cache.provider_of(s) for s in built]
+        else:
+            stored = await store.get_request(inp.request_sha256)
+            assert stored is not None
+            segments = [cache.provider_of(s) for s in prefix.segments]
+            segments += [provider_segment(s) for s in stored.body]
+        provider = state.providers.get(epoch_profile.provider)
+        if provider is None:
+            raise ApplicationError(
+                f"provider {epoch_profile.provider!r} is not configured on this worker",
+                type="ProviderNotConfigured",
+                non_retryable=True,
+            )
+        request = ProviderRequest(
+            session_id=inp.session_id,
+            epoch=inp.epoch,
+            provider=epoch_profile.provider,
+            model=epoch_profile.model,
+            prefix_sha256=prefix.sha256,
+            request_sha256=inp.request_sha256,
+            segments=segments,
+            tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
+            options=open_.route.provider_options,
+            estimated_tokens=record.estimated_tokens,
+            max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
+        )
+        reply = await _heartbeating(_within_attempt(provider.complete(request)))
+        if reply.wire_prefix is not None:
+            await self._record_wire_prefix(inp, reply.wire_prefix)
+        # Usage first (the first attempt's figures win), then the reply's items, all or none of them.
+        await store.record_usage(
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            actual=reply.usage.input_tokens,
+            cached=reply.usage.cached_tokens,
+            output=reply.usage.output_tokens,
+        )
+        # Everything the model wrote in reply to a request with untrusted content in view may repeat or obey it.
+        tainted = self.reply_tainted(record.plan)
+        new_items: list[dict[str, Any]] = []
+        if reply.text:
+            new_items.append(
+                {
+                    "id": f"{base}text",
+                    "kind": "assistant_message",
+                    "trust": "MODEL",
+                    "tainted": tainted,
+                    "text": reply.text,
+                }
+            )
+        cap = len(reply.tool_calls) if inp.max_tool_calls is None else inp.max_tool_calls
+        for j, call in enumerate(reply.tool_calls[: cap + 1]):
+            new_items.append(
+                {
+                    "id": f"{base}call{j}",
+                    "kind": "tool_call",
+                    "trust": "MODEL",
+                    "tainted": tainted,
+                    # Our own id, unique in the session: some servers reuse `call_0` in every reply, and a
+                    # reused id would pair the wrong halves. Adapters send this id back on the wire.
+                    "call_id": f"call_t{inp.turn}_m{inp.call_index}_{j}",
+                    "tool_name": call.name,
+                    "arguments": call.arguments,
+                }
+            )
+        if len(reply.tool_calls) > cap:
+            # Past the cap: the next call is logged with its refusal (one pair the model sees); the rest are not
+            # logged at all, so a reply of 10,000 calls costs the log two items, not 20,000.
+            new_items.append(
+                {
+                    "id": f"{base}call{cap}.result",
+                    "kind": "tool_result",
+                    "trust": TrustLevel.TOOL.value,
+                    "tainted": tainted,  # a result inherits its call's taint
+                    "call_id": f"call_t{inp.turn}_m{inp.call_index}_{cap}",
+                    "tool_name": reply.tool_calls[cap].name,
+                    "content": f"error: refused: this reply made {len(reply.tool_calls):,} tool calls and "
+                    f"{inp.tool_call_cap or 'the cap is reached'}; this call and the "
+                    f"{len(reply.tool_calls) - cap - 1:,} after it were not run",
+                    "is_error": True,
+                    "artifact_ref": None,
+                }
+            )
+        await store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
+        logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
+        record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
+        assert record is not None
+        actual = record.actual_input_tokens
+        assert actual is not None  # filled by record_usage above (or by an earlier attempt's)
+        profile = await state.profile(epoch_profile)
+        learned, rec = reconcile(
+            profile, raw_tokens=record.raw_tokens, estimated_tokens=record.estimated_tokens, actual_tokens=actual
+        )
+        await store.learn_calibration(profile.route, observed=rec.observed_ratio, first=learned.calibration)
+        await state.event(
+            inp.session_id,
+            f"reconciled:{inp.turn}:{inp.call_index}",
+            EventType.ESTIMATOR_RECONCILED,
+            inp.turn,
+            inp.epoch,
+            {
+                **rec.model_dump(mode="json"),
+                "cached_tokens": record.cached_tokens or 0,
+                # the first request of an epoch writes the cache; later ones reuse the whole prefix
+                "prefix_tokens_reused": 0
+                if (inp.turn, inp.call_index) == (1, 0)
+                else min(record.plan["prefix_tokens"], actual),
+            },
+        )
+        return _model_result(
+            logged,
+            actual,
+            record.cached_tokens or 0,
+            record.output_tokens or 0,
+            record.estimated_tokens,
+            overrun=rec.overrun,
+        )
+
+    async def _record_wire_prefix(self, inp: ModelInput, wire: WirePrefix) -> None:
+        """Store the request's wire prefix hash; a second distinct one in the epoch is the prefix defect
+        (`context.prefix.violation`), explained at the first differing byte of what was sent."""
+        distinct = await self.state.store.record_wire_prefix(
+            inp.session_id, inp.turn, inp.call_index, epoch=inp.epoch, sha256=wire.sha256, text=wire.text
+        )
+        if len(distinct) > 1 and wire.sha256 != distinct[0].sha256:
+            diff = first_wire_difference(distinct[0].text, wire.text)
+            await self.state.event(
+                inp.session_id,
+                f"violation:{inp.epoch}:wire:{wire.sha256}",
+                EventType.PREFIX_VIOLATION,
+                inp.turn,
+                inp.epoch,
+                {
+                    "observer": "wire",
+                    "expected": distinct[0].sha256,
+                    "got": wire.sha256,
+                    "distinct_in_epoch": len(distinct),
+                    "first_difference": diff.model_dump() if diff else None,
+                },
+            )
+
+    def all(self) -> list[Any]:
+        return [self.call_model]
+
+
+async def _heartbeating(work: Awaitable[T]) -> T:
+    """Await `work`, heartbeating meanwhile, so a dead worker's call is retried within the heartbeat timeout."""
+    task = asyncio.ensure_future(work)
+    interval = (activity.info().heartbeat_timeout or timedelta(seconds=30)).total_seconds() / 3
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=interval)
+        if done:
+            return task.result()
+        activity.heartbeat()
+
+
+async def _within_attempt(work: Awaitable[T]) -> T:
+    """`work`, cut off just before this attempt's start-to-close timeout: a late reply must not be stored after
+    Temporal has given up on the attempt (and the turn may have failed). A typed, retryable timeout."""
+    limit = activity.info().start_to_close_timeout
+    if limit is None:
+        return await work
+    try:
+        return await asyncio.wait_for(work, timeout=max(0.1, limit.total_seconds() - 0.25))
+    except TimeoutError:
+        raise ApplicationError(
+            f"the model did not answer within {limit.total_seconds():g} s (timeouts.model_seconds)",
+            type="ModelCallTimeout",
+        ) from None
+
+
+def _model_result(
+    logged: list[HistoryItem], actual: int, cached: int, output: int, estimated: int, *, overrun: bool | None
+) -> ModelResult:
+    """The model call's result as the log holds it (the log, not this attempt's reply, is the truth)."""
+    text = next((i.text for i in logged if isinstance(i, AssistantMessage)), "")
+    refused = {i.call_id for i in logged if isinstance(i, ToolResult)}  # answered in the reply's own group
+    calls = sorted((i for i in logged if isinstance(i, ToolCall) and i.call_id not in refused), key=lambda c: c.seq)
+    return ModelResult(
+        refused_tool_calls=len(refused),
+        text=text,
+        tool_calls=[
+            ToolCallRequest(item_id=c.id, call_id=c.call_id, name=c.tool_name, arguments=c.arguments) for c in calls
+        ],
+        input_tokens=actual,
+        cached_tokens=cached,
+        output_tokens=output,
+        estimated_tokens=estimated,
+        overrun=estimated < actual if overrun is None else overrun,
+    )

@@ -1,0 +1,157 @@
+"""What the store's reads return: one frozen dataclass per kind of row, so no caller indexes a row by column
+name. JSON columns stay JSON (`dict`); the models that give them meaning (`FrozenPrefix`, `PlanSummary`,
+`RequestInputs`, ...) are validated by the caller that needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    open: dict[str, Any]  # the SessionOpen, as JSON
+    secret: bytes
+    created_at: datetime
+    closed_at: datetime | None
+    close_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClaim:
+    """A claim of a session id by a run: whether the run holds it, and the session that holds the id."""
+
+    owned: bool
+    secret: bytes
+    created_at: datetime
+    closed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedItem:
+    """One item of the session log: its position, the turn that wrote it, the item as JSON."""
+
+    seq: int
+    turn: int
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredArtifact:
+    trust: str
+    media_type: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPrefix:
+    """An epoch's frozen prefix (`FrozenPrefix` JSON), its route's profile (`ModelProfile` JSON) and the Region A
+    inputs it was measured from (`PrefixInputs` JSON)."""
+
+    sha256: str
+    reason: str
+    profile: dict[str, Any]
+    prefix: dict[str, Any]
+    inputs: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRequest:
+    """A rendered request: its prefix hash and its body segments (as JSON), whole."""
+
+    prefix_sha256: str
+    body: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPrefix:
+    """A distinct prefix hash of an epoch's requests, and the first turn that sent it."""
+
+    prefix_sha256: str
+    first_turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request as built (estimate, plan summary and inputs as JSON) and, once answered, its usage."""
+
+    session_id: str
+    turn: int
+    call_index: int
+    epoch: int
+    prefix_sha256: str
+    request_sha256: str
+    estimated_tokens: int
+    raw_tokens: int
+    plan: dict[str, Any]  # PlanSummary JSON
+    inputs: dict[str, Any]  # RequestInputs JSON
+    actual_input_tokens: int | None
+    cached_tokens: int | None
+    output_tokens: int | None
+    created_at: datetime
+    wire_prefix_sha256: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWirePrefix:
+    """A distinct wire prefix of an epoch, exactly as an adapter sent it, and the first turn that sent it."""
+
+    sha256: str
+    text: str
+    first_turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    event_key: str
+    type: str
+    turn: int
+    epoch: int
+    payload: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRow:
+    """A memory as a request holds it: snapshot, recall or correction (`corrects`: the memory it corrects)."""
+
+    memory_id: str
+    text: str
+    trust: str
+    corrects: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenMemory:
+    """A memory with its provenance: the session that wrote it (None for a tombstone) and what it corrects."""
+
+    memory_id: str
+    text: str
+    source_session: str | None
+    corrects: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SummarizerCall:
+    """One summarizer call of a compaction: the exact input and the summary stored beside it."""
+
+    checkpoint_id: str
+    chunk_index: int
+    input: str
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCandidate:
+    """A fact offered to memory formation, and what its gates decided."""
+
+    session_id: str
+    fact_id: str
+    text: str
+    accepted: bool
+    gate: str | None
+    reason: str
+    memory_id: str | None
+    created_at: datetime

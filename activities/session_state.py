@@ -1,0 +1,199 @@
+"""What every session activity family shares on one worker: the store, the providers, the tokenizers and a
+memo per session of the immutable things already read (the log so far, each epoch's prefix, rendered items).
+
+`SessionState` is built once in worker.py (through `activities.session.SessionActivities`) and handed to each
+family; the families hold no state of their own. Its readers fail a call naming an unknown session or epoch
+with a typed, non-retryable error.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from typing import Any
+
+import structlog
+from temporalio.exceptions import ApplicationError
+
+from activities.metrics import record_event
+from activities.provider import ModelProvider, ProviderSegment
+from activities.store import MAX_DELTA_CHAIN, Store
+from activities.tokens import TiktokenCounter
+from contract.events import EventType
+from contract.payloads import SessionOpen
+from core.build import FrozenPrefix, RenderCache, counter_key
+from core.estimator import ModelProfile, TokenEstimator
+from core.items import HistoryItem, parse_history_item
+from core.plan import Segment
+from core.working_state import WorkingState, WorkingStateWrite, fold
+
+log = structlog.get_logger("ctxengine.activities")
+
+
+class SessionCache:
+    """Per-session, per-worker memo of immutable things: the log so far, prefixes, rendered items."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.items: list[HistoryItem] = []
+        self.max_seq = -1
+        self.prefixes: dict[int, tuple[FrozenPrefix, ModelProfile]] = {}
+        self.secret = secret
+        self.renders: dict[str, RenderCache] = {}  # one memo per tokenizer: counts differ between them
+        self.open: SessionOpen | None = None
+        # Per segment object (segments are immutable and kept alive by the render caches): its stored JSON and
+        # its provider form, made once. And the last requests built here, handed to the model call by hash.
+        self.seg_json: dict[int, tuple[Segment, dict[str, Any]]] = {}
+        self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
+        self.built: OrderedDict[str, list[Segment]] = OrderedDict()
+        self.last_body: tuple[str, str, list[Segment], int] | None = None
+
+    def json_of(self, seg: Segment) -> dict[str, Any]:
+        hit = self.seg_json.get(id(seg))
+        if hit is None or hit[0] is not seg:
+            hit = (seg, seg.model_dump(mode="json"))
+            self.seg_json[id(seg)] = hit
+        return hit[1]
+
+    def provider_of(self, seg: Segment) -> ProviderSegment:
+        hit = self.seg_provider.get(id(seg))
+        if hit is None or hit[0] is not seg:
+            hit = (seg, provider_segment(self.json_of(seg)))
+            self.seg_provider[id(seg)] = hit
+        return hit[1]
+
+    def remember_request(
+        self, sha: str, segments: list[Segment], prefix_sha: str, body: list[Segment], base: str | None
+    ) -> None:
+        self.built[sha] = segments
+        while len(self.built) > 2:
+            self.built.popitem(last=False)
+        depth = self.last_body[3] + 1 if base and self.last_body is not None else 0
+        self.last_body = (sha, prefix_sha, body, depth)
+
+    def delta_base(self, prefix_sha: str, body: list[Segment]) -> tuple[str | None, int]:
+        """The previous request stored from this worker, and how many leading body segments it shares with
+        `body` (by identity): the new request is stored as that base plus the rest."""
+        if self.last_body is None:
+            return None, 0
+        sha, last_prefix, last, depth = self.last_body
+        if last_prefix != prefix_sha or depth >= MAX_DELTA_CHAIN:
+            return None, 0
+        same = list(map(operator.is_, body, last))
+        keep = same.index(False) if False in same else len(same)
+        return (sha, keep) if keep else (None, 0)
+
+    def render_for(self, estimator: TokenEstimator) -> RenderCache:
+        key = counter_key(estimator)
+        if key not in self.renders:
+            self.renders[key] = RenderCache(self.secret, key)
+        return self.renders[key]
+
+
+class SessionState:
+    """The store, the providers and the tokenizers, and the per-session memos, shared by the families."""
+
+    def __init__(
+        self,
+        store: Store,
+        providers: dict[str, ModelProvider],
+        *,
+        search_attributes: bool = False,
+        max_sessions_cached: int = 512,
+        scripted_by_default: bool = False,
+    ) -> None:
+        self.store = store
+        self.providers = providers
+        self.search_attributes = search_attributes
+        # Whether a session that names no model_route gets the scripted model (the embedded dev services
+        # only); otherwise it is refused at open.
+        self.scripted_by_default = scripted_by_default
+        self._counters: dict[str, TiktokenCounter] = {}
+        self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+        self._max_sessions = max_sessions_cached
+
+    def counter(self, encoding: str) -> TiktokenCounter:
+        if encoding not in self._counters:
+            self._counters[encoding] = TiktokenCounter(encoding)
+        return self._counters[encoding]
+
+    def forget(self, session_id: str) -> None:
+        """Drop the session's memo (closed, or replaced by a new session under the same id)."""
+        self._sessions.pop(session_id, None)
+
+    async def session(self, session_id: str) -> tuple[SessionOpen, bytes, SessionCache]:
+        row = await self.store.get_session(session_id)
+        if row is None:
+            raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        cache = self._sessions.get(session_id)
+        if cache is None or cache.secret != row.secret:
+            cache = SessionCache(row.secret)
+            self._sessions[session_id] = cache
+            if len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(session_id)
+        if cache.open is None:
+            cache.open = SessionOpen.model_validate(row.open)
+        return cache.open, cache.secret, cache
+
+    async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
+        rows = await self.store.load_items(session_id, cache.max_seq)
+        for row in rows:
+            cache.items.append(parse_history_item(row.payload))
+            cache.max_seq = row.seq
+        return cache.items
+
+    async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
+        if epoch not in cache.prefixes:
+            row = await self.store.get_prefix(session_id, epoch)
+            if row is None:
+                raise ApplicationError(
+                    f"session {session_id!r} has no prefix for epoch {epoch}",
+                    type="UnknownEpoch",
+                    non_retryable=True,
+                )
+            cache.prefixes[epoch] = (
+                FrozenPrefix.model_validate(row.prefix),
+                ModelProfile.model_validate(row.profile),
+            )
+        return cache.prefixes[epoch]
+
+    async def profile(self, base: ModelProfile) -> ModelProfile:
+        learned = await self.store.get_calibration(base.route)
+        if learned:
+            return base.model_copy(update={"calibration": learned})
+        # A route not seen yet starts conservatively: its published ratio or the highest any route of its
+        # provider holds, whichever is higher; never optimistically (it learns downwards from usage).
+        highest = await self.store.provider_calibration(base.provider)
+        return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
+
+    async def event(
+        self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
+    ) -> None:
+        """Store an event once (by key); the first store logs it and counts it in the metrics."""
+        if await self.store.add_event(session_id, key, type_.value, turn=turn, epoch=epoch, payload=payload):
+            log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
+            record_event(type_, payload)
+
+
+def working_state(writes: list[dict[str, Any]], count: Any, upto_turn: int) -> WorkingState:
+    """The working state the stored writes fold to, as of `upto_turn`."""
+    return fold([WorkingStateWrite.model_validate(w) for w in writes], count=count, upto_turn=upto_turn)
+
+
+def snapshot_ids(prefix: FrozenPrefix) -> list[str]:
+    """The memory ids of the prefix's frozen snapshot."""
+    return [s.item_id.removeprefix("memory.") for s in prefix.segments if s.kind == "memory_snapshot"]
+
+
+def provider_segment(data: dict[str, Any]) -> ProviderSegment:
+    """A stored segment (its JSON) in the provider port's form."""
+    return ProviderSegment.model_construct(
+        raw_tokens=data.get("raw_tokens", 0),
+        role=data["role"],
+        kind=data["kind"],
+        trust=data["trust"],
+        region=data["region"],
+        text=data["text"],
+        item_id=data["item_id"],
+        call_id=data.get("call_id"),
+    )
