@@ -707,5 +707,8 @@ async def run_gates(names_: list[str], *, seed: int | None = None, **kw: Any) ->
     results: dict[str, dict[str, Any]] = {}
     for name in names_:
         seeded: dict[str, Any] = {"seed": seed} if seed is not None and name in SEEDED else {}
-        results[name] = await run_gate(name, **kw, **seeded)
+        try:
+            results[name] = await run_gate(name, **kw, **seeded)
+        except Exception as exc:  # a gate that crashes fails; the others still run and report
+            results[name] = {"passed": False, "error": f"{type(exc).__name__}: {str(exc)[:2_000]}"}
     return {"passed": all(r["passed"] for r in results.values()), "gates": results}

@@ -28,6 +28,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType as HistoryEventType
 from temporalio.client import (
     Client,
@@ -37,7 +38,7 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import RawValue, WorkflowIDReusePolicy
 from temporalio.service import RPCError
 
 import harness.worker_process as worker_process_module
@@ -390,6 +391,10 @@ KNOWN_CASES: list[tuple[str, Any]] = [
     ("start", {"agent_instructions": "x", "tools": [{"name": "t", "description": "d", "input_schema": {"type": 5}}]}),
     ("start", {"agent_instructions": "x\u0000"}),
     ("start", {"agent_instructions": "word " * 6_000}),
+    # Start inputs the worker cannot decode as a SessionOpen: null, bytes, an encoding it has no converter for.
+    ("start", None),
+    ("start", b"not a SessionOpen"),
+    ("start", RawValue(Payload(metadata={"encoding": b"x-unknown/1"}, data=b"{}"))),
 ]
 REFUSAL_TYPES = {"ValidationError", "ValueError", "UnknownMemory", "MemoryIdTaken", "client"}
 
