@@ -128,6 +128,13 @@ async def log_figures(store: Store, session_ids: list[str]) -> dict[str, int]:
     return figures
 
 
+async def _runs(client: Client, workflow_id: str) -> list[WorkflowHandle[Any, Any]]:
+    """Every run of a workflow id (a session continues as new; a start's handle reads its first run only)."""
+    query = f'WorkflowId = "{workflow_id}"'
+    runs = [client.get_workflow_handle(workflow_id, run_id=w.run_id) async for w in client.list_workflows(query)]
+    return runs or [client.get_workflow_handle(workflow_id)]  # visibility not caught up: the latest run
+
+
 async def _retries(handle: WorkflowHandle[Any, Any]) -> int:
     """Activity attempts past the first, from the history (each started event records its attempt)."""
     total = 0
@@ -299,8 +306,9 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
         failed_runs = 0
         gaps: list[tuple[float, str]] = []
         for h in handles:
-            retries += await _retries(h)
-            gaps += await _gaps(h)
+            for run in await _runs(client, h.id):
+                retries += await _retries(run)
+                gaps += await _gaps(run)
             if (await h.describe()).status not in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED):
                 failed_runs += 1
     finally:
