@@ -153,23 +153,31 @@ def gate(
     inject_prefix_timestamp: Annotated[
         bool, typer.Option("--inject-prefix-timestamp", hidden=True, help="Test-only fault: a clock in the prefix.")
     ] = False,
+    seed: Annotated[
+        int | None,
+        typer.Option("--seed", help="chaos and inputs: draw kills and cases from this seed (each reports its seed)."),
+    ] = None,
 ) -> None:
     """Run a hard gate on the live stack (embedded services unless TEMPORAL_ADDRESS / CTXENGINE_DATABASE_URL)."""
     import asyncio
 
     from activities.session import SessionActivities
     from harness.faults import PrefixTimestampFault
-    from harness.gates import ALL, GATES, run_gate, run_gates
+    from harness.gates import ALL, GATES, SEEDED, run_gate, run_gates
 
     fault = PrefixTimestampFault if inject_prefix_timestamp else SessionActivities
 
     if name != "all" and name not in GATES:
         typer.echo(f"error: unknown gate {name!r}; choose from {', '.join([*GATES, 'all'])}", err=True)
         raise typer.Exit(2)
+    if seed is not None and name not in (*SEEDED, "all"):
+        typer.echo(f"error: --seed applies to {', '.join(SEEDED)} (and all), not {name!r}", err=True)
+        raise typer.Exit(2)
     if name == "all":
-        result = asyncio.run(run_gates(list(ALL), activities_class=fault))
+        result = asyncio.run(run_gates(list(ALL), activities_class=fault, seed=seed))
     else:
-        result = asyncio.run(run_gate(name, activities_class=fault))
+        seeded: dict[str, Any] = {"seed": seed} if seed is not None else {}
+        result = asyncio.run(run_gate(name, activities_class=fault, **seeded))
     if as_json:
         sys.stdout.write(json.dumps(result, default=str) + "\n")
     else:

@@ -679,6 +679,7 @@ GATES: dict[str, tuple[GateFn, dict[str, Any]]] = {
     "inputs": (gates_reliability.inputs_gate, {}),
 }
 ALL = ("stability", "trust", "budget", "pairs", "determinism", "chaos", "inputs")
+SEEDED = ("chaos", "inputs")  # the gates whose faults or cases are drawn at random, from a seed they report
 
 
 async def run_gate(
@@ -706,6 +707,13 @@ async def run_gate(
         return await fn(stack, **gate_kw)
 
 
-async def run_gates(names_: list[str], **kw: Any) -> dict[str, Any]:
-    results = {name: await run_gate(name, **kw) for name in names_}
+async def run_gates(names_: list[str], *, seed: int | None = None, **kw: Any) -> dict[str, Any]:
+    """Run gates one after the other; `seed` goes to those that draw at random (`SEEDED`)."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in names_:
+        seeded: dict[str, Any] = {"seed": seed} if seed is not None and name in SEEDED else {}
+        try:
+            results[name] = await run_gate(name, **kw, **seeded)
+        except Exception as exc:  # a gate that crashes fails; the others still run and report
+            results[name] = {"passed": False, "error": f"{type(exc).__name__}: {str(exc)[:2_000]}"}
     return {"passed": all(r["passed"] for r in results.values()), "gates": results}

@@ -19,14 +19,16 @@ import statistics
 import tempfile
 import time
 import uuid
-import warnings
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.errors import NonInteractiveExampleWarning
+from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType as HistoryEventType
 from temporalio.client import (
     Client,
@@ -36,7 +38,7 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import RawValue, WorkflowIDReusePolicy
 from temporalio.service import RPCError
 
 import harness.worker_process as worker_process_module
@@ -126,6 +128,13 @@ async def log_figures(store: Store, session_ids: list[str]) -> dict[str, int]:
             by_epoch.setdefault(r.epoch, set()).add(r.prefix_sha256)
         figures["sessions_with_several_prefix_hashes"] += int(any(len(v) > 1 for v in by_epoch.values()))
     return figures
+
+
+async def _runs(client: Client, workflow_id: str) -> list[WorkflowHandle[Any, Any]]:
+    """Every run of a workflow id (a session continues as new; a start's handle reads its first run only)."""
+    query = f'WorkflowId = "{workflow_id}"'
+    runs = [client.get_workflow_handle(workflow_id, run_id=w.run_id) async for w in client.list_workflows(query)]
+    return runs or [client.get_workflow_handle(workflow_id)]  # visibility not caught up: the latest run
 
 
 async def _retries(handle: WorkflowHandle[Any, Any]) -> int:
@@ -299,8 +308,9 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
         failed_runs = 0
         gaps: list[tuple[float, str]] = []
         for h in handles:
-            retries += await _retries(h)
-            gaps += await _gaps(h)
+            for run in await _runs(client, h.id):
+                retries += await _retries(run)
+                gaps += await _gaps(run)
             if (await h.describe()).status not in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED):
                 failed_runs += 1
     finally:
@@ -315,6 +325,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
     expected = profile.sessions * profile.turns + (len(answered) - profile.sessions)
     ordered = sorted(latencies) or [0.0]
     result: dict[str, Any] = {
+        "seed": profile.seed,
         "kills": kills,
         "postgres_restarts": restarts,
         "sessions": profile.sessions,
@@ -398,6 +409,10 @@ KNOWN_CASES: list[tuple[str, Any]] = [
     ("start", {"agent_instructions": "x\u0000", "model_route": {}}),
     ("start", {"agent_instructions": "word " * 6_000, "model_route": {}}),
     ("start", {"agent_instructions": "x"}),  # no model_route: refused at open (ModelRouteRequired)
+    # Start inputs the worker cannot decode as a SessionOpen: null, bytes, an encoding it has no converter for.
+    ("start", None),
+    ("start", b"not a SessionOpen"),
+    ("start", RawValue(Payload(metadata={"encoding": b"x-unknown/1"}, data=b"{}"))),
 ]
 REFUSAL_TYPES = {"ValidationError", "ValueError", "UnknownMemory", "MemoryIdTaken", "client"}
 
@@ -464,11 +479,42 @@ def _strategies() -> dict[str, Any]:
     }
 
 
-def _draw(strategy: Any) -> Any:
+def _examples(strategy: Any, count: int, seed: int) -> list[Any]:
+    """`count` values of `strategy`, drawn by hypothesis from `seed`: the same seed gives the same values (with the
+    same hypothesis version). A strategy with fewer distinct values than `count` repeats them."""
+    drawn: list[Any] = []
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NonInteractiveExampleWarning)
-        return strategy.example()
+    @settings(
+        max_examples=count,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        deadline=None,
+    )
+    @hypothesis_seed(seed)
+    @given(strategy)
+    def collect(value: Any) -> None:
+        drawn.append(value)
+
+    collect()
+    return [drawn[i % len(drawn)] for i in range(count)]
+
+
+def draw_cases(profile: InputsProfile) -> list[tuple[str, Any]]:
+    """The gate's cases: the issue's, the profile's extra ones, then generated ones. Which start or update each
+    generated case is comes from `random.Random(seed)`; its argument from hypothesis, seeded with `seed`."""
+    rng = random.Random(profile.seed)
+    strategies = _strategies()
+    updates = [n for n in strategies if n not in ("start", names.UPDATE_CLOSE_SESSION)]
+    cases: list[tuple[str, Any]] = (list(KNOWN_CASES) + list(profile.extra))[: profile.cases]
+    kinds: list[str] = []
+    while len(cases) + len(kinds) < profile.cases:
+        name = "start" if rng.randrange(profile.starts_every) == 0 else rng.choice(updates)
+        if name != "start" and rng.random() < 0.02:
+            name = names.UPDATE_CLOSE_SESSION
+        kinds.append(name)
+    pools = {name: iter(_examples(strategies[name], n, profile.seed)) for name, n in Counter(kinds).items()}
+    return cases + [(name, next(pools[name])) for name in kinds]
 
 
 async def _stored(store: Store, session_id: str) -> tuple[Any, ...]:
@@ -492,14 +538,12 @@ def _failure_type(exc: BaseException) -> str:
 async def gate_inputs(
     client: Client, store: Store, task_queue: str, profile: InputsProfile = FULL_INPUTS
 ) -> dict[str, Any]:
-    rng = random.Random(profile.seed)
-    strategies = _strategies()
-    updates = [n for n in strategies if n not in ("start", names.UPDATE_CLOSE_SESSION)]
     outcomes = {"succeeded": 0, "refused_typed": 0, "failed_typed": 0, "untyped": 0, "timed_out": 0}
     stored_changes = 0
     examples: list[str] = []
     sessions: list[WorkflowHandle[Any, Any]] = []
     wedged = 0
+    slowest: list[tuple[float, str]] = []  # (seconds to the answer, case): how close the cases come to the bound
 
     unopenable: list[str] = []
 
@@ -529,30 +573,28 @@ async def gate_inputs(
             return False
 
     handle = await fresh()
-    cases: list[tuple[str, Any]] = (list(KNOWN_CASES) + list(profile.extra))[: profile.cases]
-    while len(cases) < profile.cases:
-        name = "start" if rng.randrange(profile.starts_every) == 0 else rng.choice(updates)
-        if name != "start" and rng.random() < 0.02:
-            name = names.UPDATE_CLOSE_SESSION
-        cases.append((name, _draw(strategies[name])))
+    cases = draw_cases(profile)
     for index, (name, arg) in enumerate(cases):
         bound = profile.turn_bound_s if name == names.UPDATE_SUBMIT_TURN else profile.bound_s
         if name == "start":
-            kind = await _start_case(client, task_queue, arg, bound)
+            kind, took = await _start_case(client, task_queue, arg, bound)
             outcomes[kind] += 1
+            slowest.append((round(took, 2), f"case {index} start: {kind}"))
             if kind in ("timed_out", "untyped"):
-                examples.append(f"case {index} start: {kind}: {str(arg)[:200]}")
+                examples.append(f"case {index} start: {kind} after {took:.1f}s: {str(arg)[:200]}")
             continue
         before = await _stored(store, handle.id)
+        began = time.monotonic()
         try:
             await asyncio.wait_for(handle.execute_update(name, arg), timeout=bound)
             outcomes["succeeded"] += 1
+            slowest.append((round(time.monotonic() - began, 2), f"case {index} {name}: succeeded"))
             if name == names.UPDATE_CLOSE_SESSION:
                 handle = await fresh()
             continue
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):  # wait_for's cancel becomes the latter
             outcomes["timed_out"] += 1
-            examples.append(f"case {index} {name}: no answer within {bound}s")
+            examples.append(f"case {index} {name}: no answer within {bound}s: {str(arg)[:200]}")
             if not await healthy(handle):
                 wedged += 1
                 handle = await fresh()
@@ -561,6 +603,7 @@ async def gate_inputs(
             type_ = "client" if isinstance(exc, ValueError | TypeError) else _failure_type(exc)
             if isinstance(exc, RPCError):
                 type_ = type_ or "RPCError"
+        slowest.append((round(time.monotonic() - began, 2), f"case {index} {name}: {type_ or 'untyped'}"))
         if not type_:
             outcomes["untyped"] += 1
             examples.append(f"case {index} {name}: untyped failure")
@@ -590,6 +633,7 @@ async def gate_inputs(
             wedged += 1
     result = {
         "cases": len(cases),
+        "seed": profile.seed,
         **outcomes,
         "sessions": len(sessions),
         "sessions_wedged": wedged,
@@ -598,6 +642,7 @@ async def gate_inputs(
         "sessions_unopenable": len(unopenable),
         "unopenable": unopenable[:3],
         "examples": examples[:10],
+        "slowest_cases": sorted(slowest, reverse=True)[:5],
     }
     result["passed"] = (
         len(cases) >= profile.cases
@@ -615,41 +660,54 @@ async def _normal_turn(h: WorkflowHandle[Any, Any]) -> None:
     await h.execute_update(names.UPDATE_SUBMIT_TURN, {"text": "a normal turn"}, result_type=TurnResult)
 
 
-async def _start_case(client: Client, task_queue: str, arg: Any, bound: float) -> str:
-    """A generated start: it opens (then is closed) or fails typed, within the bound."""
+async def _start_case(client: Client, task_queue: str, arg: Any, bound: float) -> tuple[str, float]:
+    """A generated start: it opens or fails typed within the bound, counted from the start request; then it is
+    closed (within the bound too: a session that cannot close is a finding). The outcome and the seconds to it."""
+    began = time.monotonic()
+    deadline = began + bound
+
+    def left() -> timedelta:
+        return timedelta(seconds=max(0.1, deadline - time.monotonic()))
+
     try:
         h = await _start(client, task_queue, arg, "inputs-start")
     except (RPCError, ValueError, TypeError):
-        return "refused_typed"  # refused before it started (the client could not encode it)
-    deadline = time.monotonic() + bound
+        return "refused_typed", time.monotonic() - began  # refused before it started (the client cannot encode it)
     while time.monotonic() < deadline:
-        desc = await h.describe()
+        desc = await h.describe(rpc_timeout=left())
         if desc.status == WorkflowExecutionStatus.FAILED:
+            took = time.monotonic() - began
             with contextlib.suppress(WorkflowFailureError):
-                await h.result()
-                return "untyped"
-            return "refused_typed"
+                await h.result(rpc_timeout=left())
+                return "untyped", took
+            return "refused_typed", took
         if desc.status != WorkflowExecutionStatus.RUNNING:
-            return "untyped"
-        try:
-            state = await h.query(names.QUERY_STATE)
+            return "untyped", time.monotonic() - began
+        try:  # each answer is bounded: a query that hangs must not hide the run's outcome past the bound
+            state = await h.query(names.QUERY_STATE, rpc_timeout=min(left(), timedelta(seconds=5)))
         except Exception:  # not yet answering queries
             state = None
         if state and state.get("status") == "open":
-            await h.execute_update(names.UPDATE_CLOSE_SESSION, {})
-            return "succeeded"
+            took = time.monotonic() - began
+            try:
+                await asyncio.wait_for(h.execute_update(names.UPDATE_CLOSE_SESSION, {}), timeout=bound)
+            except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+                return "timed_out", time.monotonic() - began
+            return "succeeded", took
         await asyncio.sleep(0.1)
-    return "timed_out"
+    return "timed_out", time.monotonic() - began
 
 
 # ------------------------------------------------------------------------ entries in harness.gates.GATES
 
 
-async def chaos_gate(s: Any) -> dict[str, Any]:
+async def chaos_gate(s: Any, seed: int | None = None) -> dict[str, Any]:
     """`gate chaos`: the full profile, on the stack's Temporal (its own workers and PostgreSQL)."""
-    return await gate_chaos(s.client, s.client.service_client.config.target_host, FULL_CHAOS)
+    profile = FULL_CHAOS if seed is None else replace(FULL_CHAOS, seed=seed)
+    return await gate_chaos(s.client, s.client.service_client.config.target_host, profile)
 
 
-async def inputs_gate(s: Any) -> dict[str, Any]:
+async def inputs_gate(s: Any, seed: int | None = None) -> dict[str, Any]:
     """`gate inputs`: the full profile, through the stack's worker."""
-    return await gate_inputs(s.client, s.store, s.task_queue, FULL_INPUTS)
+    profile = FULL_INPUTS if seed is None else replace(FULL_INPUTS, seed=seed)
+    return await gate_inputs(s.client, s.store, s.task_queue, profile)

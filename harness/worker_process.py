@@ -78,6 +78,9 @@ class WorkerProcess:
             "CTXENGINE_TASK_QUEUE": self.task_queue,
             "CTXENGINE_HOME": str(self.home),
             "PYTHONUNBUFFERED": "1",
+            # No metrics endpoint unless a test asks for one: workers spawned together would race for a port
+            # (checked free, then bound), and the loser exits at start (seen killing `gate all` in its chaos gate).
+            "CTXENGINE_METRICS_ADDRESS": "off",
             **self.extra_env,
         }
         with open(self.log_path, "ab") as log:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey
+from temporalio.api.common.v1 import Payload
+from temporalio.common import RawValue, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
@@ -60,6 +62,8 @@ SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
 PATCH_FAILED_TURN = "failed-turn-sealed"
 PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
 PATCH_CLOSE_ONCE = "close-once"
+# The start input's default when a client sends none: a payload without an encoding (see `_start_input`).
+NO_START_INPUT = RawValue(Payload())
 
 
 def _update_failure(exc: ActivityError) -> ApplicationError:
@@ -70,19 +74,39 @@ def _update_failure(exc: ActivityError) -> ApplicationError:
     return ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True)
 
 
-# A start input that is not a SessionOpen fails the workflow with pydantic's message (naming the field),
-# instead of failing its first task over and over.
+# The start input is decoded by the workflow itself (`_start_input`): whatever a client sends (no input, null,
+# bytes, an unknown encoding, JSON that is not a SessionOpen) the run fails at once, typed, instead of failing its
+# first task over and over, a run that never ends and whose queries never answer (docs/reliability.md).
 @workflow.defn(name=names.WORKFLOW_SESSION, failure_exception_types=[ValidationError])
 class SessionWorkflow:
+    def __new__(cls, *args: Any) -> SessionWorkflow:
+        """Several start arguments reach __init__ undecoded and in excess (a TypeError, which fails the task, not
+        the run): refused here, where an ApplicationError fails the run."""
+        if len(args) > 1:
+            raise ApplicationError(
+                f"start input: expected one SessionOpen, got {len(args)} arguments",
+                type="InvalidSessionOpen",
+                non_retryable=True,
+            )
+        return super().__new__(cls)
+
     @workflow.init
-    def __init__(self, open_: SessionOpen) -> None:
+    def __init__(self, start: RawValue = NO_START_INPUT) -> None:
+        open_ = _start_input(start)
+        # A refused start input: the run fails first thing; meanwhile queries answer and updates are refused.
+        self.refused: Exception | None = open_ if isinstance(open_, Exception) else None
+        if isinstance(open_, Exception):
+            open_ = SessionOpen(agent_instructions="(start input refused)")
         carried = open_.carried
+        self.continued = carried is not None
         self.open: SessionOpen = open_.model_copy(update={"carried": None, "carried_results": {}})
         self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.route)
+        if self.refused is not None:
+            self.state.status = "failed"
         # Temporal de-duplicates update ids within a run only; recent results cross continue-as-new with us.
         self.results: dict[str, TurnResult] = dict(open_.carried_results)
         self.lock = asyncio.Lock()
-        self.ready = carried is not None
+        self.ready = carried is not None or self.refused is not None
         self.closing = False
         self.turns_at_start = self.state.turns
         self.published: tuple[int, str, int] | None = None
@@ -90,9 +114,11 @@ class SessionWorkflow:
 
     # ------------------------------------------------------------ run
     @workflow.run
-    async def run(self, open_: SessionOpen) -> SessionState:
-        """Start input: a SessionOpen (its `carried` is the state a continue-as-new hands to the next run)."""
-        if open_.carried is None:
+    async def run(self, start: RawValue = NO_START_INPUT) -> SessionState:
+        """Start input: one SessionOpen (its `carried` is the state a continue-as-new hands to the next run)."""
+        if self.refused is not None:
+            raise self.refused
+        if not self.continued:
             try:
                 opened = await self._open(epoch=1, reason="session_open")
             except ActivityError as exc:
@@ -578,6 +604,26 @@ class SessionWorkflow:
                         SA_PREFIX.value_set(hashes[-1]),
                     ]
                 )
+
+
+def _start_input(start: RawValue) -> SessionOpen | Exception:
+    """The start input as a SessionOpen, or the error the run fails with: pydantic's ValidationError (it names the
+    field) or a typed, non-retryable InvalidSessionOpen naming what arrived instead."""
+    if not start.payload.metadata:
+        return ApplicationError(
+            "start input: none was sent; send one SessionOpen", type="InvalidSessionOpen", non_retryable=True
+        )
+    try:
+        open_ = workflow.payload_converter().from_payload(start.payload, SessionOpen)
+    except ValidationError as exc:
+        return exc
+    except Exception as exc:  # an encoding this worker has no converter for, or one that cannot decode it
+        what = f"{type(exc).__name__}: {exc}"
+    else:
+        if isinstance(open_, SessionOpen):
+            return open_
+        what = f"a {type(open_).__name__}, not a SessionOpen"
+    return ApplicationError(f"start input: {what}"[:500], type="InvalidSessionOpen", non_retryable=True)
 
 
 def _retyped(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
