@@ -25,8 +25,8 @@ from typing import Any
 
 from temporalio.testing import ActivityEnvironment
 
-from activities.session import SessionActivities
 from activities.providers import build_providers
+from activities.session import SessionActivities
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from contract.payloads import BuildInput, OpenInput, SessionOpen
@@ -114,7 +114,7 @@ async def seed(store: Store, items: int) -> tuple[str, int]:
     session_id = f"bench-cold-{items}-{uuid.uuid4().hex[:8]}"
     acts = SessionActivities(store, build_providers())
     await ActivityEnvironment().run(
-        acts.open_session, OpenInput(session_id=session_id, open=session_open(), owner=f"run-{session_id}")
+        acts.lifecycle.open_session, OpenInput(session_id=session_id, open=session_open(), owner=f"run-{session_id}")
     )
     history = _history(items)
     for start in range(0, len(history), APPEND_BATCH):
@@ -135,7 +135,7 @@ async def _measure(dsn: str, session_id: str, last_turn: int, rounds: int) -> di
         # Untimed: the process's first build (imports, tokenizer, pool) on a throwaway session.
         warm_id, warm_turn = await seed(store, 20)
         await ActivityEnvironment().run(
-            SessionActivities(counted, providers).build_context,
+            SessionActivities(counted, providers).build.build_context,
             BuildInput(session_id=warm_id, turn=warm_turn + 1, call_index=0, epoch=1, now_iso=NOW, user_text="hi"),
         )
         times: list[float] = []
@@ -154,7 +154,7 @@ async def _measure(dsn: str, session_id: str, last_turn: int, rounds: int) -> di
             )
             before = sum(db.snapshot()[0].values())
             t0 = time.perf_counter()
-            await ActivityEnvironment().run(acts.build_context, inp)
+            await ActivityEnvironment().run(acts.build.build_context, inp)
             times.append(time.perf_counter() - t0)
             trips.append(sum(db.snapshot()[0].values()) - before)
         return {

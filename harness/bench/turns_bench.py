@@ -61,8 +61,8 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
-from harness.sessions import SCRIPTED
 from harness.bench.measure import CountingPool, DbCounts, percentile
+from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
 from worker import connect, running_worker
 
