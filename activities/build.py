@@ -49,7 +49,7 @@ class BuildActivities(BuildCalls):
             await seal_orphans(state, inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran")
             user_item_id = f"u:{inp.update_id or inp.turn}"
             await check_turn_fits(state, inp, open_, secret, cache, user_item_id)
-            await store.append_items(
+            await state.append(
                 inp.session_id,
                 inp.turn,
                 [
@@ -60,6 +60,7 @@ class BuildActivities(BuildCalls):
                         "text": inp.user_text,
                     }
                 ],
+                cache,
             )
         prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
         profile = await state.profile(profile)

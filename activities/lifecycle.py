@@ -211,7 +211,7 @@ async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, rea
     rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id)}
     orphans = [i for i in unanswered if rows.get(i.id, 0) <= upto_turn]
     for call in orphans:
-        await state.store.append_items(
+        await state.append(
             session_id,
             rows[call.id],
             [
@@ -226,6 +226,7 @@ async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, rea
                     "artifact_ref": None,
                 }
             ],
+            cache,
         )
     if orphans:
         log.warning("turn.sealed", session_id=session_id, turn=upto_turn, calls=len(orphans), reason=reason)

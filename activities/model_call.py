@@ -149,7 +149,7 @@ class ModelCallActivities(ModelCalls):
                     "artifact_ref": None,
                 }
             )
-        await store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
+        await state.append(inp.session_id, inp.turn, new_items, cache, group_prefix=base)
         logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
         record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
         assert record is not None

@@ -36,6 +36,8 @@ class LoggedItem:
     seq: int
     turn: int
     payload: dict[str, Any]
+    rendered: str | None = None  # the item's segment text, rendered when it was written (None: not stored)
+    tokens: dict[str, int] | None = None  # its raw token count per counter key, counted when it was written
 
 
 @dataclass(frozen=True, slots=True)

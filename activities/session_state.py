@@ -23,6 +23,7 @@ from contract.events import EventType
 from contract.payloads import SessionOpen
 from core.build import FrozenPrefix, RenderCache, counter_key
 from core.estimator import ModelProfile, TokenEstimator
+from core.item_rendering import render_item
 from core.items import HistoryItem, parse_history_item
 from core.plan import Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
@@ -46,6 +47,8 @@ class SessionCache:
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, list[Segment]] = OrderedDict()
         self.last_body: tuple[str, str, list[Segment], int] | None = None
+        # Each logged item's render stored at write time, by item id: (the item, its text, its counts by counter).
+        self.stored: dict[str, tuple[HistoryItem, str, dict[str, int]]] = {}
 
     def json_of(self, seg: Segment) -> dict[str, Any]:
         hit = self.seg_json.get(id(seg))
@@ -85,8 +88,29 @@ class SessionCache:
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
         key = counter_key(estimator)
         if key not in self.renders:
-            self.renders[key] = RenderCache(self.secret, key)
+            cache = self.renders[key] = RenderCache(self.secret, key)
+            for item, text, tokens in self.stored.values():
+                if key in tokens:
+                    cache.adopt(item, text, tokens[key])
         return self.renders[key]
+
+    def log(self, item: HistoryItem, rendered: str | None, tokens: dict[str, int] | None) -> None:
+        """`item` joins the memo of the log, with its stored render taken by every memo of its counters."""
+        self.items.append(item)
+        self.max_seq = item.seq
+        if rendered is None or not tokens:
+            return
+        self.stored[item.id] = (item, rendered, tokens)
+        for key, cache in self.renders.items():
+            if key in tokens:
+                cache.adopt(item, rendered, tokens[key])
+
+    def write_counter_encoding(self) -> str:
+        """The encoding items are counted in when written: the latest epoch's route's, else the open's route's."""
+        if self.prefixes:
+            return self.prefixes[max(self.prefixes)][1].encoding
+        assert self.open is not None
+        return self.open.route.profile().encoding
 
 
 class SessionState:
@@ -138,9 +162,27 @@ class SessionState:
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
         rows = await self.store.load_items(session_id, cache.max_seq)
         for row in rows:
-            cache.items.append(parse_history_item(row.payload))
-            cache.max_seq = row.seq
+            cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
         return cache.items
+
+    async def append(
+        self,
+        session_id: str,
+        turn: int,
+        items: list[dict[str, Any]],
+        cache: SessionCache,
+        *,
+        group_prefix: str | None = None,
+    ) -> list[int]:
+        """Log `items` with their renders (render once, at write time): each rendered with the session's secret
+        and counted by the counter of the session's current route, so a worker that has not seen the session
+        reads them instead of rendering and counting again."""
+        counter = self.counter(cache.write_counter_encoding())
+        renders: list[tuple[str, dict[str, int]]] = []
+        for data in items:
+            text = render_item(parse_history_item({**data, "seq": 0}), cache.secret)
+            renders.append((text, {counter.name: counter.count(text)}))
+        return await self.store.append_items(session_id, turn, items, group_prefix=group_prefix, renders=renders)
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:

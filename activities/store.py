@@ -47,12 +47,38 @@ SQL_INSERT_SESSION = """
 INSERT INTO sessions (session_id, open, secret) VALUES ($1, $2, $3)
 ON CONFLICT (session_id) DO NOTHING"""
 SQL_GET_SESSION = "SELECT open, secret, created_at, closed_at, close_reason FROM sessions WHERE session_id = $1"
-SQL_LOCK_SESSION = "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE"
-SQL_ITEM_BY_ID = "SELECT seq FROM items WHERE session_id = $1 AND item_id = $2"
-SQL_NEXT_SEQ = "SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1"
-SQL_INSERT_ITEM = """
-INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)"""
-SQL_LOAD_ITEMS = "SELECT seq, turn, payload FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"
+SQL_LOAD_ITEMS = """
+SELECT seq, turn, payload, rendered, tokens FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
+# One round trip: the items not logged yet (by id) get the next positions, in order, with their stored render;
+# a group already begun ($4: its id prefix) adds nothing. Positions race only with another append to the same
+# session at the same instant (the workflow serialises them): the primary key refuses it and the store retries.
+SQL_APPEND_ITEMS = """
+WITH input AS (
+    SELECT e.value AS entry, e.ordinality AS ord FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY AS e
+), existing AS (
+    SELECT x.item_id, x.seq FROM items x JOIN input ON x.session_id = $1 AND x.item_id = input.entry->'item'->>'id'
+), grouped AS (
+    SELECT $4::text IS NOT NULL AND EXISTS (
+        SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $4::text)
+    ) AS logged
+), fresh AS (
+    SELECT input.entry, (SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1)
+        + row_number() OVER (ORDER BY input.ord) - 1 AS seq
+    FROM input
+    WHERE NOT EXISTS (SELECT 1 FROM existing WHERE existing.item_id = input.entry->'item'->>'id')
+      AND NOT (SELECT logged FROM grouped)
+), inserted AS (
+    INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
+    SELECT $1, seq, entry->'item'->>'id', entry->'item'->>'kind', entry->'item'->>'trust', $3,
+           (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens'
+    FROM fresh
+    ON CONFLICT (session_id, item_id) DO NOTHING
+    RETURNING item_id, seq
+)
+SELECT (SELECT logged FROM grouped) AS logged,
+       coalesce((SELECT jsonb_object_agg(item_id, seq) FROM existing), '{}'::jsonb) AS existing,
+       coalesce((SELECT jsonb_object_agg(item_id, seq) FROM inserted), '{}'::jsonb) AS inserted"""
+APPEND_ATTEMPTS = 5
 SQL_PUT_ARTIFACT = """
 INSERT INTO artifacts (session_id, sha256, trust, media_type, content) VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (session_id, sha256) DO NOTHING"""
@@ -115,7 +141,6 @@ INSERT INTO wire_prefixes (session_id, epoch, sha256, text, first_turn) VALUES (
 ON CONFLICT (session_id, epoch, sha256) DO NOTHING"""
 SQL_WIRE_PREFIXES = """
 SELECT sha256, text, first_turn FROM wire_prefixes WHERE session_id = $1 AND epoch = $2 ORDER BY position"""
-SQL_GROUP_LOGGED = "SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $2) LIMIT 1"
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1"""
@@ -328,32 +353,40 @@ class Store:
 
     # ------------------------------------------------------------ the session log
     async def append_items(
-        self, session_id: str, turn: int, items: Sequence[dict[str, Any]], *, group_prefix: str | None = None
+        self,
+        session_id: str,
+        turn: int,
+        items: Sequence[dict[str, Any]],
+        *,
+        group_prefix: str | None = None,
+        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
     ) -> list[int]:
-        """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order.
+        """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order, in one
+        round trip.
 
         Returns each item's seq; an item whose id is already logged keeps its first seq and payload. With
         `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
-        (a retried model call must not mix two replies).
+        (a retried model call must not mix two replies). `renders`, beside each item: its rendered segment and
+        its token count per counter, stored with it (render once, at write time).
         """
-        seqs: list[int] = []
-        async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(SQL_LOCK_SESSION, session_id)
-            if group_prefix and await conn.fetchval(SQL_GROUP_LOGGED, session_id, group_prefix):
-                return []
-            nxt: int = await conn.fetchval(SQL_NEXT_SEQ, session_id)
-            for item in items:
-                existing = await conn.fetchval(SQL_ITEM_BY_ID, session_id, item["id"])
-                if existing is not None:
-                    seqs.append(existing)
-                    continue
-                payload = {**item, "seq": nxt}
-                await conn.execute(
-                    SQL_INSERT_ITEM, session_id, nxt, item["id"], item["kind"], item["trust"], turn, payload
-                )
-                seqs.append(nxt)
-                nxt += 1
-        return seqs
+        if renders is not None and len(renders) != len(items):
+            raise ValueError(f"{len(renders)} renders for {len(items)} items")
+        entries = [
+            {"item": item, "rendered": renders[i][0], "tokens": renders[i][1]} if renders else {"item": item}
+            for i, item in enumerate(items)
+        ]
+        for attempt in range(APPEND_ATTEMPTS):
+            try:
+                row = await self.pool.fetchrow(SQL_APPEND_ITEMS, session_id, entries, turn, group_prefix)
+                break
+            except asyncpg.UniqueViolationError as exc:  # a concurrent append took the same position
+                if exc.constraint_name != "items_pkey" or attempt == APPEND_ATTEMPTS - 1:
+                    raise
+        assert row is not None
+        if row["logged"]:
+            return []
+        seqs = {**row["existing"], **row["inserted"]}
+        return [seqs[item["id"]] for item in items if item["id"] in seqs]
 
     async def load_items(self, session_id: str, after_seq: int = -1) -> list[LoggedItem]:
         return _all(LoggedItem, await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq))

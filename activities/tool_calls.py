@@ -65,7 +65,7 @@ class ToolCallActivities(ToolCalls):
         if inp.call.name == CONTROL_TOOL_NAME and not is_error:
             writes = await state.store.working_state_writes(inp.session_id)
             ws_text = render(working_state(writes, state.counter("cl100k_base").count, inp.turn + 1))
-        await state.store.append_items(
+        await state.append(
             inp.session_id,
             inp.turn,
             [
@@ -81,6 +81,7 @@ class ToolCallActivities(ToolCalls):
                     "artifact_ref": artifact,
                 }
             ],
+            cache,
         )
         stored = next(i for i in await state.items(inp.session_id, cache) if i.id == result_id)
         assert isinstance(stored, ToolResult)

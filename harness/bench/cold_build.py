@@ -116,6 +116,7 @@ async def seed(store: Store, items: int) -> tuple[str, int]:
     await ActivityEnvironment().run(
         acts.lifecycle.open_session, OpenInput(session_id=session_id, open=session_open(), owner=f"run-{session_id}")
     )
+    _, _, cache = await acts.state.session(session_id)
     history = _history(items)
     for start in range(0, len(history), APPEND_BATCH):
         batch = history[start : start + APPEND_BATCH]
@@ -123,7 +124,8 @@ async def seed(store: Store, items: int) -> tuple[str, int]:
         for turn, item in batch:
             by_turn.setdefault(turn, []).append(item)
         for turn, turn_items in by_turn.items():
-            await store.append_items(session_id, turn, turn_items)
+            # As the activities log them: each item with its render and count (render once, at write time).
+            await acts.state.append(session_id, turn, turn_items, cache)
     return session_id, history[-1][0]
 
 
