@@ -15,7 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.minimum_body import check_route_fits
-from activities.session_state import SessionState
+from activities.session_state import SessionCache, SessionState
 from contract import names
 from contract.activity_interfaces import SessionLifecycleCalls
 from contract.events import EventType
@@ -199,11 +199,17 @@ def _first_error(exc: ValueError) -> str:
     return f": {exc}"
 
 
-async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, reason: str) -> int:
+async def seal_orphans(
+    state: SessionState, session_id: str, upto_turn: int, reason: str, *, cache: SessionCache | None = None
+) -> int:
     """Give every tool call of turns <= `upto_turn` that has no result an error result, so no later request
-    carries half a pair (a failed turn, or a model reply a timed-out attempt stored late)."""
-    _, _, cache = await state.session(session_id)
-    items = await state.items(session_id, cache)
+    carries half a pair (a failed turn, or a model reply a timed-out attempt stored late). `cache`: the
+    session's memo, already brought up to date by the caller's read."""
+    if cache is None:
+        _, _, cache = await state.session(session_id)
+        items = await state.items(session_id, cache)
+    else:
+        items = cache.items
     answered = {i.call_id for i in items if isinstance(i, ToolResult)}
     unanswered = [i for i in items if isinstance(i, ToolCall) and i.call_id not in answered]
     if not unanswered:

@@ -17,6 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
+from activities.rows import CallReads, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
@@ -29,6 +30,7 @@ from core.plan import Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
 
 log = structlog.get_logger("ctxengine.activities")
+RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 
 
 class SessionCache:
@@ -148,6 +150,14 @@ class SessionState:
         row = await self.store.get_session(session_id)
         if row is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        return self.remember(session_id, row)
+
+    def cached(self, session_id: str) -> SessionCache | None:
+        """The session's memo on this worker, if it has one (not refreshed: the caller reads the session too)."""
+        return self._sessions.get(session_id)
+
+    def remember(self, session_id: str, row: StoredSession) -> tuple[SessionOpen, bytes, SessionCache]:
+        """The session's memo for its stored row: kept while the secret is the same, else a new one."""
         cache = self._sessions.get(session_id)
         if cache is None or cache.secret != row.secret:
             cache = SessionCache(row.secret)
@@ -158,6 +168,57 @@ class SessionState:
         if cache.open is None:
             cache.open = SessionOpen.model_validate(row.open)
         return cache.open, cache.secret, cache
+
+    async def turn_reads(
+        self, session_id: str, epoch: int, recall_query: str | None
+    ) -> tuple[SessionOpen, bytes, SessionCache, TurnReads]:
+        """What a build reads, in one round trip, with the session's memo brought up to date from it."""
+        before = self.cached(session_id)
+        reads = await self.store.turn_reads(
+            session_id,
+            after_seq=before.max_seq if before is not None else -1,
+            epoch=epoch,
+            with_prefix=before is None or epoch not in before.prefixes,
+            recall_query=recall_query,
+            limit=RECALL_LIMIT,
+        )
+        if reads is None:
+            raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        open_, secret, cache = self.remember(session_id, reads.session)
+        if cache is not before and before is not None:  # another session under the id: read it whole
+            await self.items(session_id, cache)
+            await self.prefix(session_id, epoch, cache)
+        else:
+            for row in reads.items:
+                cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+            if reads.prefix is not None:
+                cache.prefixes[epoch] = (
+                    FrozenPrefix.model_validate(reads.prefix.prefix),
+                    ModelProfile.model_validate(reads.prefix.profile),
+                )
+            elif epoch not in cache.prefixes:
+                raise ApplicationError(
+                    f"session {session_id!r} has no prefix for epoch {epoch}", type="UnknownEpoch", non_retryable=True
+                )
+        return open_, secret, cache, reads
+
+    async def call_reads(
+        self, session_id: str, turn: int, call_index: int, epoch: int
+    ) -> tuple[SessionOpen, SessionCache, CallReads]:
+        """What a model call reads, in one round trip, with the session's memo brought up to date from it."""
+        before = self.cached(session_id)
+        reads = await self.store.call_reads(
+            session_id, turn, call_index, after_seq=before.max_seq if before is not None else -1, epoch=epoch
+        )
+        if reads is None:
+            raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        open_, _, cache = self.remember(session_id, reads.session)
+        if cache is not before and before is not None:  # another session under the id: read it whole
+            await self.items(session_id, cache)
+        else:
+            for row in reads.items:
+                cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+        return open_, cache, reads
 
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
         rows = await self.store.load_items(session_id, cache.max_seq)
@@ -182,7 +243,12 @@ class SessionState:
         for data in items:
             text = render_item(parse_history_item({**data, "seq": 0}), cache.secret)
             renders.append((text, {counter.name: counter.count(text)}))
-        return await self.store.append_items(session_id, turn, items, group_prefix=group_prefix, renders=renders)
+        seqs = await self.store.append_items(session_id, turn, items, group_prefix=group_prefix, renders=renders)
+        if seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))) and items:
+            # Logged right after what the memo holds: it joins the memo without reading the log back.
+            for data, seq, (text, tokens) in zip(items, seqs, renders, strict=True):
+                cache.log(parse_history_item({**data, "seq": seq}), text, tokens)
+        return seqs
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:
@@ -201,20 +267,28 @@ class SessionState:
 
     async def profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
-        if learned:
-            return base.model_copy(update={"calibration": learned})
-        # A route not seen yet starts conservatively: its published ratio or the highest any route of its
-        # provider holds, whichever is higher; never optimistically (it learns downwards from usage).
-        highest = await self.store.provider_calibration(base.provider)
-        return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
+        return calibrated(base, learned, None if learned else await self.store.provider_calibration(base.provider))
 
     async def event(
         self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
     ) -> None:
         """Store an event once (by key); the first store logs it and counts it in the metrics."""
         if await self.store.add_event(session_id, key, type_.value, turn=turn, epoch=epoch, payload=payload):
-            log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
-            record_event(type_, payload)
+            self.logged_event(session_id, type_, turn, epoch, payload)
+
+    def logged_event(self, session_id: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]) -> None:
+        """An event just stored (the first time): logged and counted in the metrics."""
+        log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
+        record_event(type_, payload)
+
+
+def calibrated(base: ModelProfile, learned: float | None, highest: float | None) -> ModelProfile:
+    """The route's profile with its learned calibration. A route not seen yet starts conservatively: its published
+    ratio or the highest any route of its provider holds, whichever is higher; never optimistically (it learns
+    downwards from usage)."""
+    if learned:
+        return base.model_copy(update={"calibration": learned})
+    return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
 
 
 def working_state(writes: list[dict[str, Any]], count: Any, upto_turn: int) -> WorkingState:
