@@ -23,7 +23,7 @@ from contract.payloads import CloseInput, OpenInput, OpenResult, SealTurnInput
 from core.build import FrozenPrefix, open_prefix, operator_tool, region_a_inputs
 from core.errors import PrefixOverflowError
 from core.estimator import TokenEstimator
-from core.items import MemorySnapshotEntry, ToolCall, ToolResult, TrustLevel
+from core.items import MemorySnapshotEntry, TrustLevel
 
 log = structlog.get_logger("ctxengine.activities")
 
@@ -207,11 +207,8 @@ async def seal_orphans(
     session's memo, already brought up to date by the caller's read."""
     if cache is None:
         _, _, cache = await state.session(session_id)
-        items = await state.items(session_id, cache)
-    else:
-        items = cache.items
-    answered = {i.call_id for i in items if isinstance(i, ToolResult)}
-    unanswered = [i for i in items if isinstance(i, ToolCall) and i.call_id not in answered]
+        await state.items(session_id, cache)
+    unanswered = sorted(cache.open_calls.values(), key=lambda c: c.seq)
     if not unanswered:
         return 0
     rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id)}

@@ -53,7 +53,7 @@ class ModelCallActivities(ModelCalls):
             )
         prefix, epoch_profile = await state.prefix(inp.session_id, inp.epoch, cache)
         base = f"t{inp.turn}.m{inp.call_index}."
-        logged = [i for i in cache.items if i.id.startswith(base)]
+        logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if logged and record.actual_input_tokens is not None:
             # A retry after the reply was stored: never ask the model twice for one request.
             return _model_result(
@@ -178,7 +178,7 @@ class ModelCallActivities(ModelCalls):
                 }
             )
         await state.append(inp.session_id, inp.turn, new_items, cache, group_prefix=base)
-        logged = [i for i in cache.items if i.id.startswith(base)]
+        logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if not logged:  # logged out of the memo's order (another attempt's reply): read the log
             logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
         if not recorded:  # an earlier attempt recorded its usage first: its figures are the truth

@@ -25,7 +25,7 @@ from contract.payloads import SessionOpen
 from core.build import FrozenPrefix, RenderCache, counter_key
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import render_item
-from core.items import HistoryItem, parse_history_item
+from core.items import HistoryItem, Region, ToolCall, ToolResult, UserMessage, parse_history_item
 from core.plan import Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
 
@@ -51,20 +51,40 @@ class SessionCache:
         self.last_body: tuple[str, str, list[Segment], int] | None = None
         # Each logged item's render stored at write time, by item id: (the item, its text, its counts by counter).
         self.stored: dict[str, tuple[HistoryItem, str, dict[str, int]]] = {}
+        # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
+        self.by_id: dict[str, HistoryItem] = {}
+        self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
+
+    def _lasting(self, seg: Segment) -> bool:
+        """Whether `seg` lives as long as the session (Region A, or a logged item's): only those are memoised,
+        so the memo does not grow with the per-request segments (clock, working state, recall)."""
+        return seg.region is Region.A or seg.item_id in self.by_id
 
     def json_of(self, seg: Segment) -> dict[str, Any]:
         hit = self.seg_json.get(id(seg))
         if hit is None or hit[0] is not seg:
             hit = (seg, seg.model_dump(mode="json"))
-            self.seg_json[id(seg)] = hit
+            if self._lasting(seg):
+                self.seg_json[id(seg)] = hit
         return hit[1]
 
     def provider_of(self, seg: Segment) -> ProviderSegment:
         hit = self.seg_provider.get(id(seg))
         if hit is None or hit[0] is not seg:
             hit = (seg, provider_segment(self.json_of(seg)))
-            self.seg_provider[id(seg)] = hit
+            if self._lasting(seg):
+                self.seg_provider[id(seg)] = hit
         return hit[1]
+
+    def this_turn(self) -> list[HistoryItem]:
+        """The items logged since the last user message, that message included (the current turn's, in order)."""
+        out: list[HistoryItem] = []
+        for item in reversed(self.items):
+            out.append(item)
+            if isinstance(item, UserMessage):
+                break
+        out.reverse()
+        return out
 
     def remember_request(
         self, sha: str, segments: list[Segment], prefix_sha: str, body: list[Segment], base: str | None
@@ -100,6 +120,11 @@ class SessionCache:
         """`item` joins the memo of the log, with its stored render taken by every memo of its counters."""
         self.items.append(item)
         self.max_seq = item.seq
+        self.by_id[item.id] = item
+        if isinstance(item, ToolCall):
+            self.open_calls[item.call_id] = item
+        elif isinstance(item, ToolResult):
+            self.open_calls.pop(item.call_id, None)
         if rendered is None or not tokens:
             return
         self.stored[item.id] = (item, rendered, tokens)
