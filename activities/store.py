@@ -116,7 +116,16 @@ INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix, inputs
 ON CONFLICT (session_id, epoch) DO NOTHING"""
 SQL_GET_PREFIX = "SELECT sha256, reason, profile, prefix, inputs FROM prefixes WHERE session_id = $1 AND epoch = $2"
 SQL_GET_CHECKPOINT = "SELECT checkpoint FROM checkpoints WHERE session_id = $1 AND checkpoint_id = $2"
-SQL_GET_REQUEST = "SELECT prefix_sha256, body FROM rendered_requests WHERE sha256 = $1"
+# A request and the bases its delta body links to, nearest first, in one round trip (at most $2 of them).
+SQL_REQUEST_CHAIN = """
+WITH RECURSIVE chain AS (
+    SELECT sha256, prefix_sha256, body, 1 AS depth FROM rendered_requests WHERE sha256 = $1
+    UNION ALL
+    SELECT r.sha256, r.prefix_sha256, r.body, chain.depth + 1 FROM chain
+    JOIN rendered_requests r ON jsonb_typeof(chain.body) = 'object' AND r.sha256 = chain.body->>'base'
+    WHERE chain.depth < $2
+)
+SELECT prefix_sha256, body FROM chain ORDER BY depth"""
 # A built request in one round trip: its body (content-addressed), its record, and the distinct prefix hashes
 # of its epoch with this request's counted (first seen first).
 SQL_STORE_REQUEST = """
@@ -577,21 +586,22 @@ class Store:
         return _row(StoredPrefix, row) if row is not None else None
 
     async def get_request(self, sha: str) -> StoredRequest | None:
-        """The request with its body whole, following delta links (at most MAX_DELTA_CHAIN)."""
-        row = await self.pool.fetchrow(SQL_GET_REQUEST, sha)
-        if row is None:
+        """The request with its body whole, following delta links (at most MAX_DELTA_CHAIN), in one round trip."""
+        rows = await self.pool.fetch(SQL_REQUEST_CHAIN, sha, MAX_DELTA_CHAIN + 1)
+        if not rows:
             return None
         links: list[dict[str, Any]] = []
-        body: Any = row["body"]
-        while isinstance(body, dict):
+        body: Any = rows[0]["body"]
+        for row in rows[1:]:
+            if not isinstance(body, dict):
+                break
             links.append(body)
-            base = await self.pool.fetchrow(SQL_GET_REQUEST, body["base"])
-            if base is None:
-                raise LookupError(f"request {sha} refers to a missing base {body['base']}")
-            body = base["body"]
+            body = row["body"]
+        if isinstance(body, dict):
+            raise LookupError(f"request {sha} refers to a missing base {body['base']}")
         for link in reversed(links):
             body = body[: link["keep"]] + link["tail"]
-        return StoredRequest(prefix_sha256=row["prefix_sha256"], body=body)
+        return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
 
     # ------------------------------------------------------------ request records
     async def store_request(
