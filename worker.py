@@ -140,6 +140,7 @@ async def running_worker(
     activities_class: type[SessionActivities] = SessionActivities,
     interceptors: Sequence[Interceptor] = (),
     embedded_services: bool = False,
+    eager_activities: bool = True,
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit.
 
@@ -163,6 +164,7 @@ async def running_worker(
         max_cached_workflows=max_cached_workflows,
         interceptors=[FailureInterceptor(), *interceptors],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
+        disable_eager_activity_execution=not eager_activities,
     )
     async with worker:
         yield worker
@@ -218,7 +220,12 @@ async def main() -> None:
             pid=os.getpid(),
         )
         async with running_worker(
-            client, store, task_queue=task_queue, interceptors=tracing_interceptors(), embedded_services=embedded
+            client,
+            store,
+            task_queue=task_queue,
+            interceptors=tracing_interceptors(),
+            embedded_services=embedded,
+            eager_activities=config.eager_activities,
         ):
             await asyncio.Event().wait()
 

@@ -16,7 +16,15 @@ from temporalio.exceptions import ApplicationError
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.lifecycle import seal_orphans
 from activities.minimum_body import check_turn_fits, turn_too_large
-from activities.session_state import SessionCache, SessionState, snapshot_ids, working_state
+from activities.rows import TurnReads
+from activities.session_state import (
+    RECALL_LIMIT,
+    SessionCache,
+    SessionState,
+    calibrated,
+    snapshot_ids,
+    working_state,
+)
 from contract import names
 from contract.activity_interfaces import BuildCalls
 from contract.events import EventType
@@ -43,13 +51,17 @@ class BuildActivities(BuildCalls):
         """Append the user message (once), load inputs by reference, build, store the request, return a summary."""
         state, store = self.state, self.state.store
         bound = log.bind(session_id=inp.session_id, turn=inp.turn, epoch=inp.epoch)
-        open_, secret, cache = await state.session(inp.session_id)
+        # One read: the session, the log since this worker's memo, the epoch, the calibration, the working state,
+        # the checkpoint, the corrections and the recall for the turn's message (when the message is known here).
+        open_, secret, cache, reads = await state.turn_reads(inp.session_id, inp.epoch, self._recall_query(inp))
         user_item_id = inp.user_item_id
         if inp.user_text is not None:
-            await seal_orphans(state, inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran")
+            await seal_orphans(
+                state, inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran", cache=cache
+            )
             user_item_id = f"u:{inp.update_id or inp.turn}"
-            await check_turn_fits(state, inp, open_, secret, cache, user_item_id)
-            await store.append_items(
+            await check_turn_fits(state, inp, open_, secret, cache, user_item_id, reads=reads)
+            await state.append(
                 inp.session_id,
                 inp.turn,
                 [
@@ -60,9 +72,10 @@ class BuildActivities(BuildCalls):
                         "text": inp.user_text,
                     }
                 ],
+                cache,
             )
         prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
-        profile = await state.profile(profile)
+        profile = calibrated(profile, reads.calibration, reads.provider_calibration)
         estimator = TokenEstimator(profile, state.counter(profile.encoding))
         if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
             # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):
@@ -72,19 +85,12 @@ class BuildActivities(BuildCalls):
                 epoch_fingerprint=prefix.escaping_fingerprint,
                 worker_fingerprint=ESCAPING_FINGERPRINT,
             )
-        plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
+        plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads)
         inputs = ri.model_dump(mode="json")
         body_segments = plan.segments[len(prefix.segments) :]
         base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
-        await store.put_request(
-            plan.request_sha256,
-            plan.prefix_sha256,
-            [cache.json_of(s) for s in body_segments[keep:]],
-            base=base,
-            keep=keep,
-        )
-        cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
-        hashes = await store.record_request(
+        # One write: the request's body (as a delta of this worker's last one) and its record.
+        hashes = await store.store_request(
             inp.session_id,
             inp.turn,
             inp.call_index,
@@ -95,7 +101,11 @@ class BuildActivities(BuildCalls):
             raw_tokens=plan.raw_tokens,
             plan=plan.summary().model_dump(mode="json"),
             inputs=inputs,
+            body=[cache.json_of(s) for s in body_segments[keep:]],
+            base=base,
+            keep=keep,
         )
+        cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
         if len(hashes) > 1 and plan.prefix_sha256 != hashes[0].prefix_sha256:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
             epoch_prefix, _ = await state.prefix(inp.session_id, inp.epoch, cache)
@@ -136,19 +146,23 @@ class BuildActivities(BuildCalls):
         prefix: FrozenPrefix,
         estimator: TokenEstimator,
         user_item_id: str | None,
+        *,
+        reads: TurnReads,
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
-        """The request's inputs, read from the store by reference, and the plan the pure builder makes of them."""
-        state, store = self.state, self.state.store
-        items = await state.items(inp.session_id, cache)
-        checkpoint_json = await store.latest_checkpoint(inp.session_id)
-        checkpoint = Checkpoint.model_validate(checkpoint_json) if checkpoint_json else None
-        writes = await store.working_state_writes(inp.session_id)
-        ws = working_state(writes, estimator.counter.count, inp.turn + 1)
-        in_snapshot = snapshot_ids(prefix)
-        user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
-        query = user.body_text() if user is not None else ""
-        recall_rows = await store.search_memories(open_.memory_scope, query, limit=10, exclude=in_snapshot)
-        correction_rows = await store.corrections(open_.memory_scope, in_snapshot)
+        """The request's inputs, read from the store by reference (`reads`: this call's one read, with the memo
+        brought up to date from it), and the plan the pure builder makes of them."""
+        store = self.state.store
+        items = cache.items
+        checkpoint = Checkpoint.model_validate(reads.checkpoint) if reads.checkpoint else None
+        ws = working_state(reads.working_state_writes, estimator.counter.count, inp.turn + 1)
+        recall_rows = reads.recall
+        if recall_rows is None:  # the message was not in this worker's memo before the read: search now
+            user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
+            query = user.body_text() if user is not None else ""
+            recall_rows = await store.search_memories(
+                open_.memory_scope, query, limit=RECALL_LIMIT, exclude=snapshot_ids(prefix)
+            )
+        correction_rows = reads.corrections
         ri = RequestInputs(
             turn=inp.turn,
             call_index=inp.call_index,
@@ -176,6 +190,16 @@ class BuildActivities(BuildCalls):
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body
+
+    def _recall_query(self, inp: BuildInput) -> str | None:
+        """The text recall searches for: the turn's message (given on its first call, else in the memo)."""
+        if inp.user_text is not None:
+            return inp.user_text
+        cache = self.state.cached(inp.session_id)
+        if cache is None or inp.user_item_id is None:
+            return None
+        user = next((i for i in reversed(cache.items) if i.id == inp.user_item_id), None)
+        return user.body_text() if user is not None else None
 
     def all(self) -> list[Any]:
         return [self.build_context]

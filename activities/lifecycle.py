@@ -15,7 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.minimum_body import check_route_fits
-from activities.session_state import SessionState
+from activities.session_state import SessionCache, SessionState
 from contract import names
 from contract.activity_interfaces import SessionLifecycleCalls
 from contract.events import EventType
@@ -23,7 +23,7 @@ from contract.payloads import CloseInput, OpenInput, OpenResult, SealTurnInput
 from core.build import FrozenPrefix, open_prefix, operator_tool, region_a_inputs
 from core.errors import PrefixOverflowError
 from core.estimator import TokenEstimator
-from core.items import MemorySnapshotEntry, ToolCall, ToolResult, TrustLevel
+from core.items import MemorySnapshotEntry, TrustLevel
 
 log = structlog.get_logger("ctxengine.activities")
 
@@ -199,19 +199,22 @@ def _first_error(exc: ValueError) -> str:
     return f": {exc}"
 
 
-async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, reason: str) -> int:
+async def seal_orphans(
+    state: SessionState, session_id: str, upto_turn: int, reason: str, *, cache: SessionCache | None = None
+) -> int:
     """Give every tool call of turns <= `upto_turn` that has no result an error result, so no later request
-    carries half a pair (a failed turn, or a model reply a timed-out attempt stored late)."""
-    _, _, cache = await state.session(session_id)
-    items = await state.items(session_id, cache)
-    answered = {i.call_id for i in items if isinstance(i, ToolResult)}
-    unanswered = [i for i in items if isinstance(i, ToolCall) and i.call_id not in answered]
+    carries half a pair (a failed turn, or a model reply a timed-out attempt stored late). `cache`: the
+    session's memo, already brought up to date by the caller's read."""
+    if cache is None:
+        _, _, cache = await state.session(session_id)
+        await state.items(session_id, cache)
+    unanswered = sorted(cache.open_calls.values(), key=lambda c: c.seq)
     if not unanswered:
         return 0
     rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id)}
     orphans = [i for i in unanswered if rows.get(i.id, 0) <= upto_turn]
     for call in orphans:
-        await state.store.append_items(
+        await state.append(
             session_id,
             rows[call.id],
             [
@@ -226,6 +229,7 @@ async def seal_orphans(state: SessionState, session_id: str, upto_turn: int, rea
                     "artifact_ref": None,
                 }
             ],
+            cache,
         )
     if orphans:
         log.warning("turn.sealed", session_id=session_id, turn=upto_turn, calls=len(orphans), reason=reason)

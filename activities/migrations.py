@@ -161,4 +161,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN IF NOT EXISTS owner text;
     """,
+    # 4: render once, at write time (docs/schema.md): each item's rendered segment and its token count per
+    # counter, so a worker that has not seen the session reads them instead of escaping and counting again
+    """
+    ALTER TABLE items ADD COLUMN IF NOT EXISTS rendered text;
+    ALTER TABLE items ADD COLUMN IF NOT EXISTS tokens jsonb;
+    """,
 )

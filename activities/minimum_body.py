@@ -5,10 +5,13 @@ and before a rotation to another model route (else the rotation is refused, Rota
 
 from __future__ import annotations
 
+from typing import Any
+
 from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
-from activities.session_state import SessionCache, SessionState, snapshot_ids, working_state
+from activities.rows import MemoryRow, TurnReads
+from activities.session_state import SessionCache, SessionState, calibrated, snapshot_ids, working_state
 from contract.payloads import BuildInput, OpenInput, SessionOpen
 from core.budget import ContextBudget
 from core.build import FrozenPrefix, build
@@ -57,13 +60,21 @@ async def check_route_fits(
 
 
 async def check_turn_fits(
-    state: SessionState, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: SessionCache, user_item_id: str
+    state: SessionState,
+    inp: BuildInput,
+    open_: SessionOpen,
+    secret: bytes,
+    cache: SessionCache,
+    user_item_id: str,
+    *,
+    reads: TurnReads,
 ) -> None:
     """Before the user message is logged: its minimum body (message, working state, corrections, clock)
     must fit beside the prefix, or the turn fails alone with TurnTooLarge and nothing is appended."""
     assert inp.user_text is not None
     prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
-    estimator = TokenEstimator(await state.profile(profile), state.counter(profile.encoding))
+    profile = calibrated(profile, reads.calibration, reads.provider_calibration)
+    estimator = TokenEstimator(profile, state.counter(profile.encoding))
     message = UserMessage(id=user_item_id, seq=0, text=inp.user_text, trust=TrustLevel.USER)
     try:
         await _build_minimum(
@@ -78,6 +89,7 @@ async def check_turn_fits(
             turn=inp.turn,
             upto_turn=inp.turn + 1,
             now_iso=inp.now_iso,
+            read=(reads.working_state_writes, reads.corrections),
         )
     except TurnTooLargeError as exc:
         raise turn_too_large(exc, logged=False) from exc
@@ -102,12 +114,16 @@ async def _build_minimum(
     turn: int,
     upto_turn: int,
     now_iso: str,
+    read: tuple[list[dict[str, Any]], list[MemoryRow]] | None = None,
 ) -> None:
     """Build the request of `message` alone beside the prefix (no history, no recall); raises
-    TurnTooLargeError when it does not fit."""
-    writes = await state.store.working_state_writes(session_id)
+    TurnTooLargeError when it does not fit. `read`: the working-state writes and corrections, already read."""
+    if read is None:
+        writes = await state.store.working_state_writes(session_id)
+        correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
+    else:
+        writes, correction_rows = read
     ws = working_state(writes, estimator.counter.count, upto_turn)
-    correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
     ri = RequestInputs(
         turn=turn,
         call_index=0,

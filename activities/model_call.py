@@ -17,7 +17,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.provider import ProviderRequest
-from activities.session_state import SessionState, provider_segment
+from activities.session_state import SessionState, calibrated, provider_segment
 from activities.wire import WirePrefix
 from contract import names
 from contract.activity_interfaces import ModelCalls
@@ -42,8 +42,9 @@ class ModelCallActivities(ModelCalls):
     async def call_model(self, inp: ModelInput) -> ModelResult:
         """Send the stored request through the provider port, append the reply, record usage, reconcile."""
         state, store = self.state, self.state.store
-        open_, _, cache = await state.session(inp.session_id)
-        record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
+        # One read: the session, the request's record, the log since this worker's memo, the calibrations.
+        open_, cache, reads = await state.call_reads(inp.session_id, inp.turn, inp.call_index, inp.epoch)
+        record = reads.record
         if record is None or record.request_sha256 != inp.request_sha256:
             raise ApplicationError(
                 f"no stored request {inp.request_sha256} for turn {inp.turn}",
@@ -52,7 +53,7 @@ class ModelCallActivities(ModelCalls):
             )
         prefix, epoch_profile = await state.prefix(inp.session_id, inp.epoch, cache)
         base = f"t{inp.turn}.m{inp.call_index}."
-        logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
+        logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if logged and record.actual_input_tokens is not None:
             # A retry after the reply was stored: never ask the model twice for one request.
             return _model_result(
@@ -94,15 +95,42 @@ class ModelCallActivities(ModelCalls):
         reply = await _heartbeating(_within_attempt(provider.complete(request)))
         if reply.wire_prefix is not None:
             await self._record_wire_prefix(inp, reply.wire_prefix)
-        # Usage first (the first attempt's figures win), then the reply's items, all or none of them.
-        await store.record_usage(
+        # One write for the outcome, first: usage (the first attempt's figures win), the estimator's reconciliation
+        # and its event; then the reply's items, all or none of them.
+        usage = reply.usage
+        profile = calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
+        learned, rec = reconcile(
+            profile,
+            raw_tokens=record.raw_tokens,
+            estimated_tokens=record.estimated_tokens,
+            actual_tokens=usage.input_tokens,
+        )
+        event_key = f"reconciled:{inp.turn}:{inp.call_index}"
+        payload = {
+            **rec.model_dump(mode="json"),
+            "cached_tokens": usage.cached_tokens,
+            # the first request of an epoch writes the cache; later ones reuse the whole prefix
+            "prefix_tokens_reused": 0
+            if (inp.turn, inp.call_index) == (1, 0)
+            else min(record.plan["prefix_tokens"], usage.input_tokens),
+        }
+        recorded, added = await store.record_outcome(
             inp.session_id,
             inp.turn,
             inp.call_index,
-            actual=reply.usage.input_tokens,
-            cached=reply.usage.cached_tokens,
-            output=reply.usage.output_tokens,
+            actual=usage.input_tokens,
+            cached=usage.cached_tokens,
+            output=usage.output_tokens,
+            route=profile.route,
+            observed=rec.observed_ratio,
+            first=learned.calibration,
+            event_key=event_key,
+            event_type=EventType.ESTIMATOR_RECONCILED.value,
+            epoch=inp.epoch,
+            payload=payload,
         )
+        if added:
+            state.logged_event(inp.session_id, EventType.ESTIMATOR_RECONCILED, inp.turn, inp.epoch, payload)
         # Everything the model wrote in reply to a request with untrusted content in view may repeat or obey it.
         tainted = self.reply_tainted(record.plan)
         new_items: list[dict[str, Any]] = []
@@ -149,37 +177,26 @@ class ModelCallActivities(ModelCalls):
                     "artifact_ref": None,
                 }
             )
-        await store.append_items(inp.session_id, inp.turn, new_items, group_prefix=base)
-        logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
-        record = await store.get_record(inp.session_id, inp.turn, inp.call_index)
-        assert record is not None
-        actual = record.actual_input_tokens
-        assert actual is not None  # filled by record_usage above (or by an earlier attempt's)
-        profile = await state.profile(epoch_profile)
-        learned, rec = reconcile(
-            profile, raw_tokens=record.raw_tokens, estimated_tokens=record.estimated_tokens, actual_tokens=actual
-        )
-        await store.learn_calibration(profile.route, observed=rec.observed_ratio, first=learned.calibration)
-        await state.event(
-            inp.session_id,
-            f"reconciled:{inp.turn}:{inp.call_index}",
-            EventType.ESTIMATOR_RECONCILED,
-            inp.turn,
-            inp.epoch,
-            {
-                **rec.model_dump(mode="json"),
-                "cached_tokens": record.cached_tokens or 0,
-                # the first request of an epoch writes the cache; later ones reuse the whole prefix
-                "prefix_tokens_reused": 0
-                if (inp.turn, inp.call_index) == (1, 0)
-                else min(record.plan["prefix_tokens"], actual),
-            },
-        )
+        await state.append(inp.session_id, inp.turn, new_items, cache, group_prefix=base)
+        logged = [i for i in cache.this_turn() if i.id.startswith(base)]
+        if not logged:  # logged out of the memo's order (another attempt's reply): read the log
+            logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
+        if not recorded:  # an earlier attempt recorded its usage first: its figures are the truth
+            first = await store.get_record(inp.session_id, inp.turn, inp.call_index)
+            assert first is not None and first.actual_input_tokens is not None
+            return _model_result(
+                logged,
+                first.actual_input_tokens,
+                first.cached_tokens or 0,
+                first.output_tokens or 0,
+                first.estimated_tokens,
+                overrun=None,
+            )
         return _model_result(
             logged,
-            actual,
-            record.cached_tokens or 0,
-            record.output_tokens or 0,
+            usage.input_tokens,
+            usage.cached_tokens,
+            usage.output_tokens,
             record.estimated_tokens,
             overrun=rec.overrun,
         )

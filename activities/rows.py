@@ -36,6 +36,8 @@ class LoggedItem:
     seq: int
     turn: int
     payload: dict[str, Any]
+    rendered: str | None = None  # the item's segment text, rendered when it was written (None: not stored)
+    tokens: dict[str, int] | None = None  # its raw token count per counter key, counted when it was written
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,3 +157,32 @@ class MemoryCandidate:
     reason: str
     memory_id: str | None
     created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReads:
+    """Everything a build reads, in one round trip (`Store.turn_reads`): the session, the log after the
+    worker's memo, the epoch's prefix (when not memoised), the route's calibrations, the working-state writes,
+    the latest checkpoint, the snapshot's corrections and the recall for the turn's message (when asked)."""
+
+    session: StoredSession
+    items: list[LoggedItem]
+    prefix: StoredPrefix | None
+    calibration: float | None
+    provider_calibration: float | None
+    working_state_writes: list[dict[str, Any]]
+    checkpoint: dict[str, Any] | None
+    corrections: list[MemoryRow]
+    recall: list[MemoryRow] | None  # None: no query was given (the caller searches later)
+
+
+@dataclass(frozen=True, slots=True)
+class CallReads:
+    """Everything a model call reads, in one round trip (`Store.call_reads`): the session, the request's record,
+    the log after the worker's memo and the route's calibrations."""
+
+    session: StoredSession
+    record: RequestRecord | None
+    items: list[LoggedItem]
+    calibration: float | None
+    provider_calibration: float | None

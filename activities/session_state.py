@@ -17,17 +17,20 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
+from activities.rows import CallReads, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
 from contract.payloads import SessionOpen
 from core.build import FrozenPrefix, RenderCache, counter_key
 from core.estimator import ModelProfile, TokenEstimator
-from core.items import HistoryItem, parse_history_item
+from core.item_rendering import render_item
+from core.items import HistoryItem, Region, ToolCall, ToolResult, UserMessage, parse_history_item
 from core.plan import Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
 
 log = structlog.get_logger("ctxengine.activities")
+RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 
 
 class SessionCache:
@@ -46,20 +49,42 @@ class SessionCache:
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, list[Segment]] = OrderedDict()
         self.last_body: tuple[str, str, list[Segment], int] | None = None
+        # Each logged item's render stored at write time, by item id: (the item, its text, its counts by counter).
+        self.stored: dict[str, tuple[HistoryItem, str, dict[str, int]]] = {}
+        # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
+        self.by_id: dict[str, HistoryItem] = {}
+        self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
+
+    def _lasting(self, seg: Segment) -> bool:
+        """Whether `seg` lives as long as the session (Region A, or a logged item's): only those are memoised,
+        so the memo does not grow with the per-request segments (clock, working state, recall)."""
+        return seg.region is Region.A or seg.item_id in self.by_id
 
     def json_of(self, seg: Segment) -> dict[str, Any]:
         hit = self.seg_json.get(id(seg))
         if hit is None or hit[0] is not seg:
             hit = (seg, seg.model_dump(mode="json"))
-            self.seg_json[id(seg)] = hit
+            if self._lasting(seg):
+                self.seg_json[id(seg)] = hit
         return hit[1]
 
     def provider_of(self, seg: Segment) -> ProviderSegment:
         hit = self.seg_provider.get(id(seg))
         if hit is None or hit[0] is not seg:
             hit = (seg, provider_segment(self.json_of(seg)))
-            self.seg_provider[id(seg)] = hit
+            if self._lasting(seg):
+                self.seg_provider[id(seg)] = hit
         return hit[1]
+
+    def this_turn(self) -> list[HistoryItem]:
+        """The items logged since the last user message, that message included (the current turn's, in order)."""
+        out: list[HistoryItem] = []
+        for item in reversed(self.items):
+            out.append(item)
+            if isinstance(item, UserMessage):
+                break
+        out.reverse()
+        return out
 
     def remember_request(
         self, sha: str, segments: list[Segment], prefix_sha: str, body: list[Segment], base: str | None
@@ -85,8 +110,34 @@ class SessionCache:
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
         key = counter_key(estimator)
         if key not in self.renders:
-            self.renders[key] = RenderCache(self.secret, key)
+            cache = self.renders[key] = RenderCache(self.secret, key)
+            for item, text, tokens in self.stored.values():
+                if key in tokens:
+                    cache.adopt(item, text, tokens[key])
         return self.renders[key]
+
+    def log(self, item: HistoryItem, rendered: str | None, tokens: dict[str, int] | None) -> None:
+        """`item` joins the memo of the log, with its stored render taken by every memo of its counters."""
+        self.items.append(item)
+        self.max_seq = item.seq
+        self.by_id[item.id] = item
+        if isinstance(item, ToolCall):
+            self.open_calls[item.call_id] = item
+        elif isinstance(item, ToolResult):
+            self.open_calls.pop(item.call_id, None)
+        if rendered is None or not tokens:
+            return
+        self.stored[item.id] = (item, rendered, tokens)
+        for key, cache in self.renders.items():
+            if key in tokens:
+                cache.adopt(item, rendered, tokens[key])
+
+    def write_counter_encoding(self) -> str:
+        """The encoding items are counted in when written: the latest epoch's route's, else the open's route's."""
+        if self.prefixes:
+            return self.prefixes[max(self.prefixes)][1].encoding
+        assert self.open is not None
+        return self.open.route.profile().encoding
 
 
 class SessionState:
@@ -124,6 +175,14 @@ class SessionState:
         row = await self.store.get_session(session_id)
         if row is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        return self.remember(session_id, row)
+
+    def cached(self, session_id: str) -> SessionCache | None:
+        """The session's memo on this worker, if it has one (not refreshed: the caller reads the session too)."""
+        return self._sessions.get(session_id)
+
+    def remember(self, session_id: str, row: StoredSession) -> tuple[SessionOpen, bytes, SessionCache]:
+        """The session's memo for its stored row: kept while the secret is the same, else a new one."""
         cache = self._sessions.get(session_id)
         if cache is None or cache.secret != row.secret:
             cache = SessionCache(row.secret)
@@ -135,12 +194,86 @@ class SessionState:
             cache.open = SessionOpen.model_validate(row.open)
         return cache.open, cache.secret, cache
 
+    async def turn_reads(
+        self, session_id: str, epoch: int, recall_query: str | None
+    ) -> tuple[SessionOpen, bytes, SessionCache, TurnReads]:
+        """What a build reads, in one round trip, with the session's memo brought up to date from it."""
+        before = self.cached(session_id)
+        reads = await self.store.turn_reads(
+            session_id,
+            after_seq=before.max_seq if before is not None else -1,
+            epoch=epoch,
+            with_prefix=before is None or epoch not in before.prefixes,
+            recall_query=recall_query,
+            limit=RECALL_LIMIT,
+        )
+        if reads is None:
+            raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        open_, secret, cache = self.remember(session_id, reads.session)
+        if cache is not before and before is not None:  # another session under the id: read it whole
+            await self.items(session_id, cache)
+            await self.prefix(session_id, epoch, cache)
+        else:
+            for row in reads.items:
+                cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+            if reads.prefix is not None:
+                cache.prefixes[epoch] = (
+                    FrozenPrefix.model_validate(reads.prefix.prefix),
+                    ModelProfile.model_validate(reads.prefix.profile),
+                )
+            elif epoch not in cache.prefixes:
+                raise ApplicationError(
+                    f"session {session_id!r} has no prefix for epoch {epoch}", type="UnknownEpoch", non_retryable=True
+                )
+        return open_, secret, cache, reads
+
+    async def call_reads(
+        self, session_id: str, turn: int, call_index: int, epoch: int
+    ) -> tuple[SessionOpen, SessionCache, CallReads]:
+        """What a model call reads, in one round trip, with the session's memo brought up to date from it."""
+        before = self.cached(session_id)
+        reads = await self.store.call_reads(
+            session_id, turn, call_index, after_seq=before.max_seq if before is not None else -1, epoch=epoch
+        )
+        if reads is None:
+            raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        open_, _, cache = self.remember(session_id, reads.session)
+        if cache is not before and before is not None:  # another session under the id: read it whole
+            await self.items(session_id, cache)
+        else:
+            for row in reads.items:
+                cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+        return open_, cache, reads
+
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
         rows = await self.store.load_items(session_id, cache.max_seq)
         for row in rows:
-            cache.items.append(parse_history_item(row.payload))
-            cache.max_seq = row.seq
+            cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
         return cache.items
+
+    async def append(
+        self,
+        session_id: str,
+        turn: int,
+        items: list[dict[str, Any]],
+        cache: SessionCache,
+        *,
+        group_prefix: str | None = None,
+    ) -> list[int]:
+        """Log `items` with their renders (render once, at write time): each rendered with the session's secret
+        and counted by the counter of the session's current route, so a worker that has not seen the session
+        reads them instead of rendering and counting again."""
+        counter = self.counter(cache.write_counter_encoding())
+        renders: list[tuple[str, dict[str, int]]] = []
+        for data in items:
+            text = render_item(parse_history_item({**data, "seq": 0}), cache.secret)
+            renders.append((text, {counter.name: counter.count(text)}))
+        seqs = await self.store.append_items(session_id, turn, items, group_prefix=group_prefix, renders=renders)
+        if seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))) and items:
+            # Logged right after what the memo holds: it joins the memo without reading the log back.
+            for data, seq, (text, tokens) in zip(items, seqs, renders, strict=True):
+                cache.log(parse_history_item({**data, "seq": seq}), text, tokens)
+        return seqs
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:
@@ -159,20 +292,28 @@ class SessionState:
 
     async def profile(self, base: ModelProfile) -> ModelProfile:
         learned = await self.store.get_calibration(base.route)
-        if learned:
-            return base.model_copy(update={"calibration": learned})
-        # A route not seen yet starts conservatively: its published ratio or the highest any route of its
-        # provider holds, whichever is higher; never optimistically (it learns downwards from usage).
-        highest = await self.store.provider_calibration(base.provider)
-        return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
+        return calibrated(base, learned, None if learned else await self.store.provider_calibration(base.provider))
 
     async def event(
         self, session_id: str, key: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]
     ) -> None:
         """Store an event once (by key); the first store logs it and counts it in the metrics."""
         if await self.store.add_event(session_id, key, type_.value, turn=turn, epoch=epoch, payload=payload):
-            log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
-            record_event(type_, payload)
+            self.logged_event(session_id, type_, turn, epoch, payload)
+
+    def logged_event(self, session_id: str, type_: EventType, turn: int, epoch: int, payload: dict[str, Any]) -> None:
+        """An event just stored (the first time): logged and counted in the metrics."""
+        log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
+        record_event(type_, payload)
+
+
+def calibrated(base: ModelProfile, learned: float | None, highest: float | None) -> ModelProfile:
+    """The route's profile with its learned calibration. A route not seen yet starts conservatively: its published
+    ratio or the highest any route of its provider holds, whichever is higher; never optimistically (it learns
+    downwards from usage)."""
+    if learned:
+        return base.model_copy(update={"calibration": learned})
+    return base.model_copy(update={"calibration": highest}) if highest and highest > base.calibration else base
 
 
 def working_state(writes: list[dict[str, Any]], count: Any, upto_turn: int) -> WorkingState:

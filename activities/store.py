@@ -9,12 +9,14 @@ import json
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
 from activities.migrations import MIGRATIONS
 from activities.rows import (
+    CallReads,
     EpochPrefix,
     LoggedItem,
     MemoryCandidate,
@@ -28,6 +30,7 @@ from activities.rows import (
     StoredSession,
     StoredWirePrefix,
     SummarizerCall,
+    TurnReads,
     WrittenMemory,
 )
 from core.compaction import run_trust
@@ -47,12 +50,38 @@ SQL_INSERT_SESSION = """
 INSERT INTO sessions (session_id, open, secret) VALUES ($1, $2, $3)
 ON CONFLICT (session_id) DO NOTHING"""
 SQL_GET_SESSION = "SELECT open, secret, created_at, closed_at, close_reason FROM sessions WHERE session_id = $1"
-SQL_LOCK_SESSION = "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE"
-SQL_ITEM_BY_ID = "SELECT seq FROM items WHERE session_id = $1 AND item_id = $2"
-SQL_NEXT_SEQ = "SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1"
-SQL_INSERT_ITEM = """
-INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)"""
-SQL_LOAD_ITEMS = "SELECT seq, turn, payload FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"
+SQL_LOAD_ITEMS = """
+SELECT seq, turn, payload, rendered, tokens FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
+# One round trip: the items not logged yet (by id) get the next positions, in order, with their stored render;
+# a group already begun ($4: its id prefix) adds nothing. Positions race only with another append to the same
+# session at the same instant (the workflow serialises them): the primary key refuses it and the store retries.
+SQL_APPEND_ITEMS = """
+WITH input AS (
+    SELECT e.value AS entry, e.ordinality AS ord FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY AS e
+), existing AS (
+    SELECT x.item_id, x.seq FROM items x JOIN input ON x.session_id = $1 AND x.item_id = input.entry->'item'->>'id'
+), grouped AS (
+    SELECT $4::text IS NOT NULL AND EXISTS (
+        SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $4::text)
+    ) AS logged
+), fresh AS (
+    SELECT input.entry, (SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1)
+        + row_number() OVER (ORDER BY input.ord) - 1 AS seq
+    FROM input
+    WHERE NOT EXISTS (SELECT 1 FROM existing WHERE existing.item_id = input.entry->'item'->>'id')
+      AND NOT (SELECT logged FROM grouped)
+), inserted AS (
+    INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
+    SELECT $1, seq, entry->'item'->>'id', entry->'item'->>'kind', entry->'item'->>'trust', $3,
+           (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens'
+    FROM fresh
+    ON CONFLICT (session_id, item_id) DO NOTHING
+    RETURNING item_id, seq
+)
+SELECT (SELECT logged FROM grouped) AS logged,
+       coalesce((SELECT jsonb_object_agg(item_id, seq) FROM existing), '{}'::jsonb) AS existing,
+       coalesce((SELECT jsonb_object_agg(item_id, seq) FROM inserted), '{}'::jsonb) AS inserted"""
+APPEND_ATTEMPTS = 5
 SQL_PUT_ARTIFACT = """
 INSERT INTO artifacts (session_id, sha256, trust, media_type, content) VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (session_id, sha256) DO NOTHING"""
@@ -87,26 +116,38 @@ INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix, inputs
 ON CONFLICT (session_id, epoch) DO NOTHING"""
 SQL_GET_PREFIX = "SELECT sha256, reason, profile, prefix, inputs FROM prefixes WHERE session_id = $1 AND epoch = $2"
 SQL_GET_CHECKPOINT = "SELECT checkpoint FROM checkpoints WHERE session_id = $1 AND checkpoint_id = $2"
-SQL_PUT_REQUEST = """
-INSERT INTO rendered_requests (sha256, prefix_sha256, body) VALUES ($1, $2, $3) ON CONFLICT (sha256) DO NOTHING"""
-SQL_GET_REQUEST = "SELECT prefix_sha256, body FROM rendered_requests WHERE sha256 = $1"
-SQL_RECORD_REQUEST = """
-INSERT INTO request_records (session_id, turn, call_index, epoch, prefix_sha256, request_sha256,
-                             estimated_tokens, raw_tokens, plan, inputs)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-ON CONFLICT (session_id, turn, call_index) DO UPDATE
-SET epoch = EXCLUDED.epoch, prefix_sha256 = EXCLUDED.prefix_sha256, request_sha256 = EXCLUDED.request_sha256,
-    estimated_tokens = EXCLUDED.estimated_tokens, raw_tokens = EXCLUDED.raw_tokens, plan = EXCLUDED.plan,
-    inputs = EXCLUDED.inputs
-WHERE request_records.actual_input_tokens IS NULL"""
-SQL_DISTINCT_PREFIXES = """
-SELECT prefix_sha256, min(turn) AS first_turn FROM request_records WHERE session_id = $1 AND epoch = $2
-GROUP BY prefix_sha256 ORDER BY min(turn)"""
+# A request and the bases its delta body links to, nearest first, in one round trip (at most $2 of them).
+SQL_REQUEST_CHAIN = """
+WITH RECURSIVE chain AS (
+    SELECT sha256, prefix_sha256, body, 1 AS depth FROM rendered_requests WHERE sha256 = $1
+    UNION ALL
+    SELECT r.sha256, r.prefix_sha256, r.body, chain.depth + 1 FROM chain
+    JOIN rendered_requests r ON jsonb_typeof(chain.body) = 'object' AND r.sha256 = chain.body->>'base'
+    WHERE chain.depth < $2
+)
+SELECT prefix_sha256, body FROM chain ORDER BY depth"""
+# A built request in one round trip: its body (content-addressed), its record, and the distinct prefix hashes
+# of its epoch with this request's counted (first seen first).
+SQL_STORE_REQUEST = """
+WITH body AS (
+    INSERT INTO rendered_requests (sha256, prefix_sha256, body) VALUES ($6, $5, $11) ON CONFLICT (sha256) DO NOTHING
+), record AS (
+    INSERT INTO request_records (session_id, turn, call_index, epoch, prefix_sha256, request_sha256,
+                                 estimated_tokens, raw_tokens, plan, inputs)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+    ON CONFLICT (session_id, turn, call_index) DO UPDATE
+    SET epoch = EXCLUDED.epoch, prefix_sha256 = EXCLUDED.prefix_sha256, request_sha256 = EXCLUDED.request_sha256,
+        estimated_tokens = EXCLUDED.estimated_tokens, raw_tokens = EXCLUDED.raw_tokens, plan = EXCLUDED.plan,
+        inputs = EXCLUDED.inputs
+    WHERE request_records.actual_input_tokens IS NULL
+)
+SELECT prefix_sha256, min(turn) AS first_turn FROM (
+    SELECT prefix_sha256, turn FROM request_records
+    WHERE session_id = $1 AND epoch = $4 AND NOT (turn = $2 AND call_index = $3)
+    UNION ALL SELECT $5, $2
+) AS r GROUP BY prefix_sha256 ORDER BY min(turn)"""
 SQL_GET_RECORD = "SELECT * FROM request_records WHERE session_id = $1 AND turn = $2 AND call_index = $3"
 SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn, call_index"
-SQL_RECORD_USAGE = """
-UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
-WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL"""
 SQL_RECORD_WIRE = """
 UPDATE request_records SET wire_prefix_sha256 = $4
 WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND wire_prefix_sha256 IS NULL"""
@@ -115,7 +156,6 @@ INSERT INTO wire_prefixes (session_id, epoch, sha256, text, first_turn) VALUES (
 ON CONFLICT (session_id, epoch, sha256) DO NOTHING"""
 SQL_WIRE_PREFIXES = """
 SELECT sha256, text, first_turn FROM wire_prefixes WHERE session_id = $1 AND epoch = $2 ORDER BY position"""
-SQL_GROUP_LOGGED = "SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $2) LIMIT 1"
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1"""
@@ -142,13 +182,6 @@ ON CONFLICT (session_id, write_key) DO NOTHING"""
 SQL_HAS_WS_WRITE = "SELECT 1 FROM working_state_writes WHERE session_id = $1 AND write_key = $2"
 SQL_WS_WRITES = "SELECT write FROM working_state_writes WHERE session_id = $1 ORDER BY position"
 SQL_GET_CALIBRATION = "SELECT calibration FROM calibrations WHERE route = $1"
-# The reconciliation rule applied in one statement, so concurrent sessions on a route never lose an upward move.
-SQL_LEARN_CALIBRATION = """
-INSERT INTO calibrations (route, calibration) VALUES ($1, $3)
-ON CONFLICT (route) DO UPDATE SET calibration = CASE
-    WHEN $2 > calibrations.calibration THEN $2
-    ELSE calibrations.calibration + 0.1 * ($2 - calibrations.calibration) END,
-    updated_at = now()"""
 SQL_PROVIDER_CALIBRATION = "SELECT max(calibration) FROM calibrations WHERE route LIKE $1"
 SQL_SET_CALIBRATION = """
 INSERT INTO calibrations (route, calibration) VALUES ($1, $2)
@@ -156,6 +189,77 @@ ON CONFLICT (route) DO UPDATE SET calibration = EXCLUDED.calibration, updated_at
 SQL_PUT_CHECKPOINT = """
 INSERT INTO checkpoints (session_id, checkpoint_id, parent_id, depth, covers_from_seq, covers_to_seq, checkpoint)
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
+# The build's reads in one round trip (Store.turn_reads): $1 session, $2 log position already memoised, $3 epoch,
+# $4 whether to return the prefix row, $5 the recall query (NULL: none), $6 the recall limit.
+SQL_TURN_READS = """
+SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
+  (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
+                                                'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+     FROM items i WHERE i.session_id = $1 AND i.seq > $2) AS items,
+  p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
+  CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
+  CASE WHEN $4 THEN p.inputs END AS inputs,
+  (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
+    AS calibration,
+  (SELECT max(calibration) FROM calibrations WHERE route LIKE (p.profile->>'provider') || '/%')
+    AS provider_calibration,
+  (SELECT coalesce(jsonb_agg(w.write ORDER BY w.position), '[]') FROM working_state_writes w
+     WHERE w.session_id = $1) AS working_state_writes,
+  (SELECT c.checkpoint FROM checkpoints c WHERE c.session_id = $1
+     ORDER BY c.covers_to_seq DESC, (c.checkpoint->>'kind' = 'escalation') DESC, c.depth DESC LIMIT 1) AS checkpoint,
+  (SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', m.memory_id, 'text', m.text, 'trust', m.trust,
+                                                'corrects', m.corrects) ORDER BY m.created_at, m.memory_id), '[]')
+     FROM memories m WHERE m.scope = s.open->>'memory_scope' AND m.corrects = ANY(snap.ids)) AS corrections,
+  CASE WHEN $5::text IS NOT NULL THEN (
+    SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', r.memory_id, 'text', r.text, 'trust', r.trust)
+                              ORDER BY r.rank DESC, r.memory_id), '[]')
+    FROM (SELECT m.memory_id, m.text, m.trust, ts_rank(m.tsv, q) AS rank
+          FROM memories m, websearch_to_tsquery('english', $5::text) AS q
+          WHERE m.scope = s.open->>'memory_scope' AND m.tsv @@ q AND NOT (m.memory_id = ANY(snap.ids))
+            AND NOT starts_with(m.memory_id, 'withdrawn:')
+          ORDER BY rank DESC, m.memory_id LIMIT $6) r
+  ) END AS recall
+FROM sessions s
+LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $3
+LEFT JOIN LATERAL (
+  SELECT coalesce(array_agg(substr(seg->>'item_id', 8)), '{}') AS ids
+  FROM jsonb_array_elements(coalesce(p.prefix->'segments', '[]'::jsonb)) AS seg
+  WHERE seg->>'kind' = 'memory_snapshot'
+) snap ON true
+WHERE s.session_id = $1"""
+# The model call's reads in one round trip (Store.call_reads): $1 session, $2 turn, $3 call index, $4 log position
+# already memoised, $5 epoch.
+SQL_CALL_READS = """
+SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
+  (SELECT to_jsonb(r) FROM request_records r WHERE r.session_id = $1 AND r.turn = $2 AND r.call_index = $3)
+    AS record,
+  (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
+                                                'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+     FROM items i WHERE i.session_id = $1 AND i.seq > $4) AS items,
+  (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
+    AS calibration,
+  (SELECT max(calibration) FROM calibrations WHERE route LIKE (p.profile->>'provider') || '/%')
+    AS provider_calibration
+FROM sessions s LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $5
+WHERE s.session_id = $1"""
+# A model call's outcome in one round trip: its usage (the first attempt's figures win), the estimator's
+# reconciliation (a higher observed ratio adopted at once, a lower one relaxed towards, in one statement, so
+# concurrent sessions on a route never lose an upward move) and its event (stored once, by key).
+SQL_RECORD_OUTCOME = """
+WITH usage AS (
+    UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
+    WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL RETURNING 1
+), learned AS (
+    INSERT INTO calibrations (route, calibration) VALUES ($7, $9::float8)
+    ON CONFLICT (route) DO UPDATE SET calibration = CASE
+        WHEN $8::float8 > calibrations.calibration THEN $8::float8
+        ELSE calibrations.calibration + 0.1 * ($8::float8 - calibrations.calibration) END,
+        updated_at = now()
+), event AS (
+    INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $10, $11, $2, $12, $13)
+    ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM usage) AS usage_recorded, EXISTS (SELECT 1 FROM event) AS event_added"""
 SQL_LATEST_CHECKPOINT = """
 SELECT checkpoint FROM checkpoints WHERE session_id = $1
 ORDER BY covers_to_seq DESC, (checkpoint->>'kind' = 'escalation') DESC, depth DESC LIMIT 1"""
@@ -202,6 +306,12 @@ DELETE FROM rendered_requests WHERE sha256 IN (SELECT request_sha256 FROM reques
 SQL_PURGE_MEMORIES = "DELETE FROM memories WHERE source_session = $1"
 SQL_PURGE_SESSION = "DELETE FROM sessions WHERE session_id = $1"
 WITHDRAWN_PREFIX = "withdrawn:"  # a tombstone memory: the correction line of a deleted memory still in a snapshot
+
+
+def search_terms(query: str) -> str | None:
+    """The words of `query` a memory search matches (any of them), or None when it has none."""
+    words = re.findall(r"\w{3,}", query.lower())[:32]
+    return " or ".join(words) if words else None
 
 
 MAX_DELTA_CHAIN = 32  # a request stored as a delta is at most this many links from a whole one
@@ -328,32 +438,40 @@ class Store:
 
     # ------------------------------------------------------------ the session log
     async def append_items(
-        self, session_id: str, turn: int, items: Sequence[dict[str, Any]], *, group_prefix: str | None = None
+        self,
+        session_id: str,
+        turn: int,
+        items: Sequence[dict[str, Any]],
+        *,
+        group_prefix: str | None = None,
+        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
     ) -> list[int]:
-        """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order.
+        """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order, in one
+        round trip.
 
         Returns each item's seq; an item whose id is already logged keeps its first seq and payload. With
         `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
-        (a retried model call must not mix two replies).
+        (a retried model call must not mix two replies). `renders`, beside each item: its rendered segment and
+        its token count per counter, stored with it (render once, at write time).
         """
-        seqs: list[int] = []
-        async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(SQL_LOCK_SESSION, session_id)
-            if group_prefix and await conn.fetchval(SQL_GROUP_LOGGED, session_id, group_prefix):
-                return []
-            nxt: int = await conn.fetchval(SQL_NEXT_SEQ, session_id)
-            for item in items:
-                existing = await conn.fetchval(SQL_ITEM_BY_ID, session_id, item["id"])
-                if existing is not None:
-                    seqs.append(existing)
-                    continue
-                payload = {**item, "seq": nxt}
-                await conn.execute(
-                    SQL_INSERT_ITEM, session_id, nxt, item["id"], item["kind"], item["trust"], turn, payload
-                )
-                seqs.append(nxt)
-                nxt += 1
-        return seqs
+        if renders is not None and len(renders) != len(items):
+            raise ValueError(f"{len(renders)} renders for {len(items)} items")
+        entries = [
+            {"item": item, "rendered": renders[i][0], "tokens": renders[i][1]} if renders else {"item": item}
+            for i, item in enumerate(items)
+        ]
+        for attempt in range(APPEND_ATTEMPTS):
+            try:
+                row = await self.pool.fetchrow(SQL_APPEND_ITEMS, session_id, entries, turn, group_prefix)
+                break
+            except asyncpg.UniqueViolationError as exc:  # a concurrent append took the same position
+                if exc.constraint_name != "items_pkey" or attempt == APPEND_ATTEMPTS - 1:
+                    raise
+        assert row is not None
+        if row["logged"]:
+            return []
+        seqs = {**row["existing"], **row["inserted"]}
+        return [seqs[item["id"]] for item in items if item["id"] in seqs]
 
     async def load_items(self, session_id: str, after_seq: int = -1) -> list[LoggedItem]:
         return _all(LoggedItem, await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq))
@@ -467,33 +585,26 @@ class Store:
         row = await self.pool.fetchrow(SQL_GET_PREFIX, session_id, epoch)
         return _row(StoredPrefix, row) if row is not None else None
 
-    async def put_request(
-        self, sha: str, prefix_sha: str, body: list[dict[str, Any]], *, base: str | None = None, keep: int = 0
-    ) -> None:
-        """Store a request's body segments, content-addressed. With `base`, only the segments after the first
-        `keep` of that stored request are written: a turn stores what it added, not the whole history again."""
-        stored: Any = {"base": base, "keep": keep, "tail": body} if base else body
-        await self.pool.execute(SQL_PUT_REQUEST, sha, prefix_sha, stored)
-
     async def get_request(self, sha: str) -> StoredRequest | None:
-        """The request with its body whole, following delta links (at most MAX_DELTA_CHAIN)."""
-        row = await self.pool.fetchrow(SQL_GET_REQUEST, sha)
-        if row is None:
+        """The request with its body whole, following delta links (at most MAX_DELTA_CHAIN), in one round trip."""
+        rows = await self.pool.fetch(SQL_REQUEST_CHAIN, sha, MAX_DELTA_CHAIN + 1)
+        if not rows:
             return None
         links: list[dict[str, Any]] = []
-        body: Any = row["body"]
-        while isinstance(body, dict):
+        body: Any = rows[0]["body"]
+        for row in rows[1:]:
+            if not isinstance(body, dict):
+                break
             links.append(body)
-            base = await self.pool.fetchrow(SQL_GET_REQUEST, body["base"])
-            if base is None:
-                raise LookupError(f"request {sha} refers to a missing base {body['base']}")
-            body = base["body"]
+            body = row["body"]
+        if isinstance(body, dict):
+            raise LookupError(f"request {sha} refers to a missing base {body['base']}")
         for link in reversed(links):
             body = body[: link["keep"]] + link["tail"]
-        return StoredRequest(prefix_sha256=row["prefix_sha256"], body=body)
+        return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
 
     # ------------------------------------------------------------ request records
-    async def record_request(
+    async def store_request(
         self,
         session_id: str,
         turn: int,
@@ -506,23 +617,27 @@ class Store:
         raw_tokens: int,
         plan: dict[str, Any],
         inputs: dict[str, Any],
+        body: list[dict[str, Any]],
+        base: str | None = None,
+        keep: int = 0,
     ) -> list[EpochPrefix]:
-        """Record one request; returns the distinct prefix hashes of its epoch (first seen first)."""
-        async with self.pool.acquire() as conn:
-            await conn.execute(
-                SQL_RECORD_REQUEST,
-                session_id,
-                turn,
-                call_index,
-                epoch,
-                prefix_sha256,
-                request_sha256,
-                estimated_tokens,
-                raw_tokens,
-                plan,
-                inputs,
-            )
-            return _all(EpochPrefix, await conn.fetch(SQL_DISTINCT_PREFIXES, session_id, epoch))
+        """`put_request` and `record_request` in one round trip; returns the epoch's distinct prefix hashes."""
+        stored: Any = {"base": base, "keep": keep, "tail": body} if base else body
+        rows = await self.pool.fetch(
+            SQL_STORE_REQUEST,
+            session_id,
+            turn,
+            call_index,
+            epoch,
+            prefix_sha256,
+            request_sha256,
+            estimated_tokens,
+            raw_tokens,
+            plan,
+            inputs,
+            stored,
+        )
+        return _all(EpochPrefix, rows)
 
     async def get_record(self, session_id: str, turn: int, call_index: int) -> RequestRecord | None:
         row = await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)
@@ -531,10 +646,65 @@ class Store:
     async def records(self, session_id: str) -> list[RequestRecord]:
         return _all(RequestRecord, await self.pool.fetch(SQL_RECORDS, session_id))
 
-    async def record_usage(
-        self, session_id: str, turn: int, call_index: int, *, actual: int, cached: int, output: int
-    ) -> None:
-        await self.pool.execute(SQL_RECORD_USAGE, session_id, turn, call_index, actual, cached, output)
+    async def call_reads(
+        self, session_id: str, turn: int, call_index: int, *, after_seq: int, epoch: int
+    ) -> CallReads | None:
+        """What a model call reads, in one round trip (SQL_CALL_READS); None for an unknown session."""
+        row = await self.pool.fetchrow(SQL_CALL_READS, session_id, turn, call_index, after_seq, epoch)
+        if row is None:
+            return None
+        record = None
+        if row["record"] is not None:
+            data = dict(row["record"])
+            data["created_at"] = datetime.fromisoformat(data["created_at"])
+            record = _row(RequestRecord, data)
+        return CallReads(
+            session=_row(StoredSession, row),
+            record=record,
+            items=[LoggedItem(**i) for i in row["items"]],
+            calibration=float(row["calibration"]) if row["calibration"] is not None else None,
+            provider_calibration=float(row["provider_calibration"])
+            if row["provider_calibration"] is not None
+            else None,
+        )
+
+    async def record_outcome(
+        self,
+        session_id: str,
+        turn: int,
+        call_index: int,
+        *,
+        actual: int,
+        cached: int,
+        output: int,
+        route: str,
+        observed: float,
+        first: float,
+        event_key: str,
+        event_type: str,
+        epoch: int,
+        payload: dict[str, Any],
+    ) -> tuple[bool, bool]:
+        """Usage, calibration and the reconciliation event in one round trip: (usage recorded now, event added
+        now). Usage already recorded by an earlier attempt stays (the first attempt's figures win)."""
+        row = await self.pool.fetchrow(
+            SQL_RECORD_OUTCOME,
+            session_id,
+            turn,
+            call_index,
+            actual,
+            cached,
+            output,
+            route,
+            observed,
+            first,
+            event_key,
+            event_type,
+            epoch,
+            payload,
+        )
+        assert row is not None
+        return bool(row["usage_recorded"]), bool(row["event_added"])
 
     async def record_wire_prefix(
         self, session_id: str, turn: int, call_index: int, *, epoch: int, sha256: str, text: str
@@ -580,13 +750,48 @@ class Store:
         self, scope: str, query: str, *, limit: int, exclude: Sequence[str] = ()
     ) -> list[MemoryRow]:
         """The scope's memories matching `query`, best first (`exclude`: the snapshot's, already in view)."""
-        words = re.findall(r"\w{3,}", query.lower())[:32]
-        if not words:
+        terms = search_terms(query)
+        if terms is None:
             return []
         return [
             MemoryRow(memory_id=r["memory_id"], text=r["text"], trust=r["trust"])
-            for r in await self.pool.fetch(SQL_SEARCH, scope, " or ".join(words), list(exclude), limit)
+            for r in await self.pool.fetch(SQL_SEARCH, scope, terms, list(exclude), limit)
         ]
+
+    async def turn_reads(
+        self, session_id: str, *, after_seq: int, epoch: int, with_prefix: bool, recall_query: str | None, limit: int
+    ) -> TurnReads | None:
+        """What a build reads, in one round trip (SQL_TURN_READS); None for an unknown session. `recall_query`:
+        the turn's message, searched in the scope's memories outside the snapshot (None: not searched here)."""
+        terms = search_terms(recall_query) if recall_query is not None else None
+        row = await self.pool.fetchrow(SQL_TURN_READS, session_id, after_seq, epoch, with_prefix, terms, limit)
+        if row is None:
+            return None
+        prefix = None
+        if with_prefix and row["prefix_sha256"] is not None:
+            prefix = StoredPrefix(
+                sha256=row["prefix_sha256"],
+                reason=row["prefix_reason"],
+                profile=row["profile"],
+                prefix=row["prefix"],
+                inputs=row["inputs"],
+            )
+        recall: list[MemoryRow] | None = None
+        if recall_query is not None:
+            recall = [MemoryRow(**r) for r in row["recall"]] if terms else []
+        return TurnReads(
+            session=_row(StoredSession, row),
+            items=[LoggedItem(**i) for i in row["items"]],
+            prefix=prefix,
+            calibration=float(row["calibration"]) if row["calibration"] is not None else None,
+            provider_calibration=float(row["provider_calibration"])
+            if row["provider_calibration"] is not None
+            else None,
+            working_state_writes=list(row["working_state_writes"]),
+            checkpoint=dict(row["checkpoint"]) if row["checkpoint"] is not None else None,
+            corrections=[MemoryRow(**r) for r in row["corrections"]],
+            recall=recall,
+        )
 
     async def corrections(self, scope: str, memory_ids: Sequence[str]) -> list[MemoryRow]:
         return _all(MemoryRow, await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids)))
@@ -639,10 +844,6 @@ class Store:
     async def get_calibration(self, route: str) -> float | None:
         value = await self.pool.fetchval(SQL_GET_CALIBRATION, route)
         return float(value) if value is not None else None
-
-    async def learn_calibration(self, route: str, *, observed: float, first: float) -> None:
-        """Adopt a higher observed ratio at once, relax towards a lower one (core.estimator.reconcile's rule)."""
-        await self.pool.execute(SQL_LEARN_CALIBRATION, route, observed, first)
 
     async def provider_calibration(self, provider: str) -> float | None:
         """The highest calibration any route of `provider` holds: where a new route of it starts (never lower)."""

@@ -53,19 +53,20 @@ class ToolCallActivities(ToolCalls):
         state = self.state
         open_, _, cache = await state.session(inp.session_id)
         result_id = f"{inp.call.item_id}.result"
-        items = await state.items(inp.session_id, cache)
-        done = next((i for i in items if i.id == result_id), None)
+        await state.items(inp.session_id, cache)
+        done = cache.by_id.get(result_id)
         ws_text: str | None = None
         if isinstance(done, ToolResult):
             return _summary(done, state.counter("cl100k_base").count(done.content), None)
-        call_item = next((i for i in items if i.id == inp.call.item_id), None)
+        call_item = cache.by_id.get(inp.call.item_id)
         # A result inherits its call's taint: a tool can store and return text the model chose (notes.save).
         tainted = call_item.tainted if call_item is not None else True
-        content, trust, is_error, artifact = await self._run_tool(inp, open_, items, tainted=tainted)
+        # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
+        content, trust, is_error, artifact = await self._run_tool(inp, open_, cache.this_turn(), tainted=tainted)
         if inp.call.name == CONTROL_TOOL_NAME and not is_error:
             writes = await state.store.working_state_writes(inp.session_id)
             ws_text = render(working_state(writes, state.counter("cl100k_base").count, inp.turn + 1))
-        await state.store.append_items(
+        await state.append(
             inp.session_id,
             inp.turn,
             [
@@ -81,8 +82,11 @@ class ToolCallActivities(ToolCalls):
                     "artifact_ref": artifact,
                 }
             ],
+            cache,
         )
-        stored = next(i for i in await state.items(inp.session_id, cache) if i.id == result_id)
+        stored = cache.by_id.get(result_id) or next(
+            i for i in await state.items(inp.session_id, cache) if i.id == result_id
+        )
         assert isinstance(stored, ToolResult)
         return _summary(stored, state.counter("cl100k_base").count(stored.content), ws_text)
 

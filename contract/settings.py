@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     database_url: str | None = Field(default=None, validation_alias="CTXENGINE_DATABASE_URL")
     home: Path = Field(default=Path(".ctxengine"), validation_alias="CTXENGINE_HOME")
     task_queue: str = Field(default=TASK_QUEUE, min_length=1, validation_alias="CTXENGINE_TASK_QUEUE")
+    # Eager activity execution (Temporal's default): the worker that ran the workflow task runs the activity it
+    # scheduled, which keeps a session's activities on the worker that holds its caches. False: any worker.
+    eager_activities: bool = Field(default=True, validation_alias="CTXENGINE_EAGER_ACTIVITIES")
     # host:port of the worker's Prometheus endpoint; "" picks 127.0.0.1:9464 or a free port; "off" disables it.
     metrics_address: str = Field(default="", validation_alias="CTXENGINE_METRICS_ADDRESS")
     tiktoken_cache_dir: Path | None = Field(default=None, validation_alias="TIKTOKEN_CACHE_DIR")

@@ -265,7 +265,14 @@ class RenderCache:
         if entry is not None and (entry[0] is item or entry[0] == item):
             return entry[1]
         text = render_item(item, self.secret)
-        seg = Segment(
+        return self.adopt(item, text, estimator.count(text))
+
+    def adopt(self, item: Item, text: str, raw_tokens: int) -> Segment:
+        """Take `item`'s segment from its render stored at write time (`text`, counted as `raw_tokens` by this
+        cache's counter) instead of rendering and counting it again: a cold worker's build reads, not renders.
+        Renders are deterministic (the nonce comes from the secret and the item id), so the two are the same
+        bytes; the determinism gate re-renders stored items to check it."""
+        seg = Segment.model_construct(
             item_id=item.id,
             kind=item.kind,
             region=type(item).region,
@@ -273,7 +280,7 @@ class RenderCache:
             role=type(item).role,
             trust=item.trust,
             text=text,
-            raw_tokens=estimator.count(text),
+            raw_tokens=raw_tokens,
             call_id=getattr(item, "call_id", None),
             taints=item.taints_view(),
         )

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from activities.assembly import RequestInputs
 from activities.build import BuildActivities
 from activities.model_call import ModelCallActivities
+from activities.rows import TurnReads
 from activities.session import SessionActivities
 from activities.session_state import SessionCache
 from activities.tool_calls import ToolCallActivities
@@ -34,6 +35,8 @@ class TimestampedPrefixBuild(BuildActivities):
         prefix: FrozenPrefix,
         estimator: TokenEstimator,
         user_item_id: str | None,
+        *,
+        reads: TurnReads,
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
         row = await self.state.store.get_prefix(inp.session_id, inp.epoch)
         assert row is not None
@@ -41,7 +44,7 @@ class TimestampedPrefixBuild(BuildActivities):
         stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
         budget = open_.context_budget(estimator.profile)
         prefix = open_prefix(stamped, budget=budget, estimator=estimator, secret=secret)
-        return await super()._plan(inp, open_, secret, cache, prefix, estimator, user_item_id)
+        return await super()._plan(inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads)
 
 
 class PrefixTimestampFault(SessionActivities):

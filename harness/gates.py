@@ -55,7 +55,7 @@ from harness.attack_corpus import ATTACKS, REAL_NONCE
 from harness.protocol_servers import ProtocolServers, protocol_servers
 from harness.sessions import gate_open as _open
 from harness.torture import draw_scripts, torture
-from harness.wire_gates import check_wire_stability, rerender_prefixes, wire_budget, wire_pairs
+from harness.wire_gates import check_wire_stability, rerender_items, rerender_prefixes, wire_budget, wire_pairs
 from services.stack import services
 from worker import connect, running_worker
 from workflows.child_run import ChildRunWorkflow
@@ -653,18 +653,23 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
     same = sum(r.reproduced for r in rebuilt)
     # The rebuild above reuses the stored prefix; this re-renders Region A itself from its stored inputs.
     rerendered = await rerender_prefixes(s.store, handle.id, lambda e: counters.setdefault(e, TiktokenCounter(e)))
+    # Render once, at write time: each item's stored render and count against a fresh render and count.
+    items = await rerender_items(s.store, handle.id, lambda e: counters.setdefault(e, TiktokenCounter(e)))
     return {
         "passed": failures == 0
         and replayed >= 2
         and same == len(rebuilt) > 0
-        and rerendered["prefix_bytes_identical"] == rerendered["prefixes_rerendered"] > 0,
+        and rerendered["prefix_bytes_identical"] == rerendered["prefixes_rerendered"] > 0
+        and items["item_renders_identical"] == items["items_rerendered"] > 0,
         "histories_replayed": replayed,
         "replay_failures": failures,
         "requests_rebuilt": len(rebuilt),
         "bytes_identical": same,
         "prefixes_rerendered": rerendered["prefixes_rerendered"],
         "prefix_bytes_identical": rerendered["prefix_bytes_identical"],
-        "faults": rerendered["faults"],
+        "items_rerendered": items["items_rerendered"],
+        "item_renders_identical": items["item_renders_identical"],
+        "faults": rerendered["faults"] + items["faults"],
     }
 
 

@@ -24,6 +24,8 @@ from core.budget import ContextBudget
 from core.build import FrozenPrefix, PrefixInputs, open_prefix
 from core.estimator import ModelProfile, TokenCounter, TokenEstimator
 from core.explain import PrefixDifference, first_difference
+from core.item_rendering import render_item
+from core.items import HistoryItem, parse_history_item
 from harness.protocol_servers import Element, Received, prompt_elements
 from harness.sessions import gate_open as _open
 
@@ -304,6 +306,62 @@ async def rerender_prefixes(
                 f"stored {diff.expected!r}, re-rendered {diff.actual!r}"
             )
     return {"prefixes_rerendered": len(epochs), "prefix_bytes_identical": identical, "faults": faults}
+
+
+ItemRender = Callable[[HistoryItem, bytes], str]
+
+
+def compare_item_render(
+    item: HistoryItem,
+    rendered: str,
+    tokens: Mapping[str, int],
+    *,
+    secret: bytes,
+    counter_for: Callable[[str], TokenCounter],
+    render: ItemRender = render_item,
+) -> str | None:
+    """An item's render stored at write time against a fresh render and count: None, or the first difference."""
+    fresh = render(item, secret)
+    if fresh != rendered:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(rendered, fresh, strict=False)) if a != b), min(len(rendered), len(fresh))
+        )
+        return (
+            f"item_render_differs: {item.id} at byte {at}: "
+            f"stored {rendered[at : at + 20]!r}, re-rendered {fresh[at : at + 20]!r}"
+        )
+    for key, count in tokens.items():
+        recount = counter_for(key).count(fresh)
+        if recount != count:
+            return f"item_count_differs: {item.id} ({key}): stored {count}, counted {recount}"
+    return None
+
+
+async def rerender_items(
+    store: Store, session_id: str, counter_for: Callable[[str], TokenCounter], render: ItemRender = render_item
+) -> dict[str, Any]:
+    """Every logged item with a render stored at write time: rendered and counted again, compared."""
+    session = await store.get_session(session_id)
+    assert session is not None
+    checked = identical = 0
+    faults: list[str] = []
+    for row in await store.load_items(session_id):
+        if row.rendered is None or not row.tokens:
+            continue
+        checked += 1
+        diff = compare_item_render(
+            parse_history_item(row.payload),
+            row.rendered,
+            row.tokens,
+            secret=session.secret,
+            counter_for=counter_for,
+            render=render,
+        )
+        if diff is None:
+            identical += 1
+        else:
+            faults.append(diff)
+    return {"items_rerendered": checked, "item_renders_identical": identical, "faults": faults}
 
 
 # ------------------------------------------------------------------------ sessions on the wire, for gates

@@ -165,9 +165,12 @@ async def worker_process(
     task_queue: str,
     home: Path,
     name: str = "worker",
+    extra_env: dict[str, str] | None = None,
 ) -> AsyncIterator[WorkerProcess]:
     """A started worker process, killed on exit whatever happens."""
-    worker = WorkerProcess(temporal_address=temporal_address, dsn=dsn, task_queue=task_queue, home=home, name=name)
+    worker = WorkerProcess(
+        temporal_address=temporal_address, dsn=dsn, task_queue=task_queue, home=home, name=name, extra_env=extra_env
+    )
     try:
         await worker.start(client)
         yield worker

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
+import itertools
 import logging
-import math
 import shutil
 import sys
 import tempfile
@@ -42,7 +43,6 @@ from typing import Any
 
 import psutil
 import structlog
-from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
@@ -51,6 +51,7 @@ from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from contract import names
 from contract.payloads import SessionOpen, TurnInput, TurnResult
+from harness.bench import cold_build
 from harness.bench.floor_workflow import (
     FLOOR_ACTIVITIES,
     UPDATE_TURN,
@@ -60,13 +61,21 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
+from harness.bench.measure import CountingPool, DbCounts, percentile
 from harness.sessions import SCRIPTED
+from harness.worker_process import worker_process
 from worker import connect, running_worker
 
-# Targets from the issue.
-OVERHEAD_TARGET = 1.5  # engine p50 within 1.5x of the floor's
-THROUGHPUT_TARGET = 0.7  # engine turns/s at least 0.7x the floor's at the largest concurrency
-GROWTH_TARGET = 1.2  # long session: p50 of the last 10% of turns within 1.2x of the first 10%
+# Targets from the turn-path issue (docs/benchmarks.md, "bench turns").
+OVERHEAD_TARGET = 1.25  # engine p50 within 1.25x of the floor's
+THROUGHPUT_TARGET = 0.85  # engine turns/s at least 0.85x the floor's at the largest concurrency
+GROWTH_TARGET = 1.1  # long session: p50 of the last 10% of turns within 1.1x of the first 10%
+ROUND_TRIPS_TARGET = 6  # PostgreSQL round trips per plain turn (build and model call together)
+RSS_SECOND_HALF_TARGET_MB = 5.0  # worker memory growth over the second half of the long session
+COLD_BUILD_TARGETS_MS = {1_000: 10.0, 10_000: 60.0}  # p50 of a build by a worker that never saw the session
+TWO_WORKERS_TARGET = 1.15  # p50 with two workers and no affinity within 1.15x of one worker's
+DEFAULT_COLD_ITEMS = (1_000, 10_000)
+DEFAULT_COLD_ROUNDS = 5
 HISTORY_EVENTS_LIMIT = 10_000  # no run over this many events
 
 MAX_CACHED_WORKFLOWS = 1_000  # running_worker's default; the floor worker gets the same
@@ -78,6 +87,9 @@ SETTLE_S = 2.0
 DEFAULT_THROUGHPUT_ROUNDS = 2
 CLOSE_CONCURRENCY = 50
 MB = 1024 * 1024
+# Without eager activities, a turn's activities go to whichever worker polls first, not to the one running the
+# session's workflow task: the worst case for per-worker caches (docs/operations.md).
+NO_AFFINITY = {"CTXENGINE_EAGER_ACTIVITIES": "false"}
 
 AGENT_INSTRUCTIONS = (
     "You are a careful research assistant for an engineering team. Answer briefly, cite what tools return, "
@@ -88,16 +100,6 @@ Turn = Callable[[str], Awaitable[str]]
 
 
 # ------------------------------------------------------------------------------------------------ figures
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100) of a non-empty sample."""
-    if not values:
-        raise ValueError("percentile of an empty sample")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _ms(seconds: float) -> float:
@@ -371,66 +373,17 @@ async def _turn_breakdown(client: Client, handle: WorkflowHandle[Any, Any], sinc
     return out
 
 
-# ------------------------------------------------------------------------------------------------ database
-
-
-class _DbCounts:
-    """PostgreSQL round trips and their wall time, by the activity type that made them."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-        self.seconds: dict[str, float] = {}
-
-    def add(self, calls: int, seconds: float) -> None:
-        who = activity.info().activity_type if activity.in_activity() else "other"
-        self.calls[who] = self.calls.get(who, 0) + calls
-        self.seconds[who] = self.seconds.get(who, 0.0) + seconds
-
-    def snapshot(self) -> tuple[dict[str, int], dict[str, float]]:
-        return dict(self.calls), dict(self.seconds)
-
-
-class _CountingConnection:
-    """An asyncpg connection that counts each query (and BEGIN/COMMIT) as a round trip."""
-
-    def __init__(self, conn: Any, counts: _DbCounts) -> None:
-        self._conn = conn
-        self._counts = counts
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    async def _timed(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return await getattr(self._conn, method)(*args, **kwargs)
-        finally:
-            self._counts.add(1, time.perf_counter() - t0)
-
-    async def execute(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._timed("execute", *args, **kwargs)
-
-    async def fetch(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._timed("fetch", *args, **kwargs)
-
-    async def fetchrow(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._timed("fetchrow", *args, **kwargs)
-
-    async def fetchval(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._timed("fetchval", *args, **kwargs)
-
-    def transaction(self, *args: Any, **kwargs: Any) -> Any:
-        self._counts.add(2, 0.0)  # BEGIN and COMMIT (their time lands in the surrounding block)
-        return self._conn.transaction(*args, **kwargs)
-
-
-class _CountingPool(_CountingConnection):
-    """The store's pool, counting round trips; `acquire()` hands out counting connections."""
-
-    @asynccontextmanager
-    async def acquire(self, *args: Any, **kwargs: Any) -> AsyncIterator[_CountingConnection]:
-        async with self._conn.acquire(*args, **kwargs) as conn:
-            yield _CountingConnection(conn, self._counts)
+async def _activity_hops(client: Client, handle: WorkflowHandle[Any, Any], since: int) -> tuple[int, float]:
+    """From the server's history after `since`: how many worker identities started the session's activities,
+    and the share of activities started by another worker than the one before (no affinity: about half)."""
+    events = list((await client.get_workflow_handle(handle.id).fetch_history()).events)[since:]
+    who = [
+        e.activity_task_started_event_attributes.identity
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+    ]
+    hops = sum(a != b for a, b in itertools.pairwise(who))
+    return len(set(who)), round(hops / max(1, len(who) - 1), 3)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -465,6 +418,8 @@ async def run(
     turns_per_session: int = DEFAULT_TURNS_PER_SESSION,
     throughput_rounds: int = DEFAULT_THROUGHPUT_ROUNDS,
     warmup_turns: int = WARMUP_TURNS,
+    cold_items: Sequence[int] = DEFAULT_COLD_ITEMS,
+    cold_rounds: int = DEFAULT_COLD_ROUNDS,
     address: str | None = None,
     dsn: str | None = None,
     namespace: str | None = None,
@@ -472,6 +427,8 @@ async def run(
     """Run the whole bench and return a flat dict of JSON-serialisable figures (ratios and verdicts last)."""
     if turns < 1 or long_turns < 10 or turns_per_session < 1 or throughput_rounds < 1 or not sessions:
         raise ValueError("turns >= 1, long_turns >= 10, turns_per_session >= 1, throughput_rounds >= 1, sessions")
+    if cold_rounds < 1 or any(n < 10 for n in cold_items):
+        raise ValueError("cold_rounds >= 1, cold_items >= 10 each")
     with _quiet_logs():
         async with _services(address, dsn) as (address_, dsn_):
             client = await connect(address_, namespace)
@@ -480,6 +437,7 @@ async def run(
                 return await _measure(
                     client,
                     store,
+                    address=address_,
                     turns=turns,
                     long_turns=long_turns,
                     progress=progress,
@@ -487,6 +445,7 @@ async def run(
                     turns_per_session=turns_per_session,
                     throughput_rounds=throughput_rounds,
                     warmup_turns=warmup_turns,
+                    cold=(dsn_, sorted(set(cold_items)), cold_rounds),
                 )
 
 
@@ -494,6 +453,7 @@ async def _measure(
     client: Client,
     store: Store,
     *,
+    address: str,
     turns: int,
     long_turns: int,
     progress: bool,
@@ -501,9 +461,14 @@ async def _measure(
     turns_per_session: int,
     throughput_rounds: int,
     warmup_turns: int,
+    cold: tuple[str, list[int], int],
 ) -> dict[str, Any]:
     suffix = uuid.uuid4().hex[:8]
     bench = _Bench(client, engine_queue=f"bench-engine-{suffix}", floor_queue=f"bench-floor-{suffix}")
+    # Worker processes: one alone on a queue, and two polling another queue. With two, activities land on either
+    # (no affinity), so a build often runs on the worker that did not run the turn before: the cold path.
+    one = _Bench(client, engine_queue=f"bench-one-{suffix}", floor_queue=bench.floor_queue, tag=bench.tag + "-one")
+    two = _Bench(client, engine_queue=f"bench-two-{suffix}", floor_queue=bench.floor_queue, tag=bench.tag + "-two")
     floor_worker = Worker(
         client,
         task_queue=bench.floor_queue,
@@ -511,12 +476,18 @@ async def _measure(
         activities=FLOOR_ACTIVITIES,
         max_cached_workflows=MAX_CACHED_WORKFLOWS,
     )
-    db = _DbCounts()
-    counted = Store(_CountingPool(store.pool, db))  # the real pool, its queries counted
+    db = DbCounts()
+    counted = Store(CountingPool(store.pool, db))  # the real pool, its queries counted
     out: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
+    home = Path(tempfile.mkdtemp(prefix="ctxengine-bench-workers-"))
+    spawn = functools.partial(worker_process, client, temporal_address=address, dsn=cold[0], home=home)
     async with (
         running_worker(client, counted, task_queue=bench.engine_queue, max_cached_workflows=MAX_CACHED_WORKFLOWS),
+        # Worker processes for the affinity comparison: one alone on a queue, two together on another.
+        spawn(task_queue=one.engine_queue, name="one"),
+        spawn(task_queue=two.engine_queue, name="two-a", extra_env=NO_AFFINITY),
+        spawn(task_queue=two.engine_queue, name="two-b", extra_env=NO_AFFINITY),
         floor_worker,
         _Progress(progress) as bars,
     ):
@@ -529,11 +500,14 @@ async def _measure(
                 await engine(_plain_text(i))
                 tick(2)
 
-            # Latency: one session each, interleaved turn by turn; the opening turn is not timed.
-            tick = bars.task(f"latency ({turns} turns each)", 2 * turns)
+            # Latency: one session each, interleaved turn by turn; the opening turn is not timed. Two more sessions
+            # run on the worker processes (one alone, two without affinity), interleaved too.
+            tick = bars.task(f"latency ({turns} turns each)", 4 * turns)
             (engine_handle, engine), (floor_handle, floor) = await bench.engine("latency"), await bench.floor("latency")
-            await floor(_plain_text(0))
-            await engine(_plain_text(0))
+            (_, engine_one), (two_handle, engine_two) = await one.engine("latency"), await two.engine("latency")
+            for first_turn in (floor, engine, engine_one, engine_two):
+                await first_turn(_plain_text(0))
+            two_mark = await _history_mark(client, two_handle)
             marks = {
                 "engine": await _history_mark(client, engine_handle),
                 "floor": await _history_mark(client, floor_handle),
@@ -541,21 +515,33 @@ async def _measure(
             db_before = db.snapshot()
             engine_lat: list[float] = []
             floor_lat: list[float] = []
+            one_lat: list[float] = []
+            two_lat: list[float] = []
             for i in range(1, turns + 1):
                 floor_lat.append(await _timed(floor, _plain_text(i)))
                 engine_lat.append(await _timed(engine, _plain_text(i)))
-                tick(2)
+                one_lat.append(await _timed(engine_one, _plain_text(i)))
+                two_lat.append(await _timed(engine_two, _plain_text(i)))
+                tick(4)
             out["turns"] = turns
             out["engine_p50_ms"] = _ms(percentile(engine_lat, 50))
             out["engine_p95_ms"] = _ms(percentile(engine_lat, 95))
             out["floor_p50_ms"] = _ms(percentile(floor_lat, 50))
             out["floor_p95_ms"] = _ms(percentile(floor_lat, 95))
             db_after = db.snapshot()
+            out["one_worker_process_p50_ms"] = _ms(percentile(one_lat, 50))
+            out["two_workers_p50_ms"] = _ms(percentile(two_lat, 50))
+            identities, hop_share = await _activity_hops(client, two_handle, two_mark)
+            out["two_workers_identities"] = identities
+            out["two_workers_activity_hop_share"] = hop_share
             # Where a timed turn's time goes, from the server's histories (the opening turn excluded) ...
             for side, handle in (("engine", engine_handle), ("floor", floor_handle)):
                 for key, value in (await _turn_breakdown(client, handle, marks[side], turns)).items():
                     out[f"{side}_{key}"] = value
             # ... and the engine's PostgreSQL round trips per turn, by activity.
+            out["pg_round_trips_per_plain_turn"] = round(
+                sum(db_after[0][n] - db_before[0].get(n, 0) for n in db_after[0] if n != "other") / turns, 2
+            )
             for name in sorted(db_after[0]):
                 calls = db_after[0][name] - db_before[0].get(name, 0)
                 seconds = db_after[1][name] - db_before[1].get(name, 0.0)
@@ -565,6 +551,9 @@ async def _measure(
                     out[f"engine_db_ms_per_turn_{key}"] = _ms(seconds / turns)
             ratios["overhead_ratio"] = _ratio(out["engine_p50_ms"], out["floor_p50_ms"])
             ratios["p95_overhead_ratio"] = _ratio(out["engine_p95_ms"], out["floor_p95_ms"])
+            ratios["two_workers_no_affinity_p50_ratio"] = _ratio(
+                out["two_workers_p50_ms"], out["one_worker_process_p50_ms"]
+            )
 
             # Throughput: N concurrent sessions, floor then engine at each N, `throughput_rounds` times; the
             # best round of each counts (the machine may be shared; the same rule applies to both).
@@ -640,7 +629,19 @@ async def _measure(
             out["worker_rss_growth_second_half_mb"] = round(rss[-1] - rss[len(rss) // 2], 1)
             ratios["long_session_growth_ratio"] = _ratio(last, first) if done else None
         finally:
-            await bench.terminate_all()
+            for b in (bench, one, two):
+                await b.terminate_all()
+
+    # Cold builds: a fresh process builds a session it has never seen, of each size, read from PostgreSQL.
+    dsn, sizes, rounds = cold
+    out["cold_build_rounds"] = rounds
+    for n in sizes:
+        session_id, last_turn = await cold_build.seed(store, n)
+        cold_figures = await asyncio.to_thread(cold_build.measure, dsn, session_id, last_turn, rounds)
+        label = _size_label(n)
+        out[f"cold_build_p50_ms_{label}"] = cold_figures["p50_ms"]
+        out[f"cold_build_p95_ms_{label}"] = cold_figures["p95_ms"]
+        out[f"cold_build_pg_round_trips_{label}"] = cold_figures["pg_round_trips"]
 
     # The throughput target applies at the largest concurrency measured (100 sessions by default).
     ratios["throughput_ratio"] = ratios[f"throughput_ratio_{max(sessions)}_sessions"]
@@ -653,7 +654,20 @@ async def _measure(
         out["long_session_growth_ratio"], at_most=GROWTH_TARGET
     )
     out["meets_history_target"] = out["max_history_events_per_run"] <= HISTORY_EVENTS_LIMIT
+    out["meets_round_trips_target"] = out["pg_round_trips_per_plain_turn"] <= ROUND_TRIPS_TARGET
+    out["meets_rss_target"] = out["worker_rss_growth_second_half_mb"] <= RSS_SECOND_HALF_TARGET_MB
+    out["meets_cold_build_target"] = all(
+        out[f"cold_build_p50_ms_{_size_label(n)}"] <= target
+        for n, target in COLD_BUILD_TARGETS_MS.items()
+        if f"cold_build_p50_ms_{_size_label(n)}" in out
+    )
+    out["meets_two_workers_target"] = _within(out["two_workers_no_affinity_p50_ratio"], at_most=TWO_WORKERS_TARGET)
     return out
+
+
+def _size_label(n: int) -> str:
+    """1000 -> "1k", 10000 -> "10k", 250 -> "250"."""
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
 
 def _within(value: float | None, *, at_most: float | None = None, at_least: float | None = None) -> bool:

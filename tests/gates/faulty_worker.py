@@ -16,8 +16,8 @@ import activities.store as store_module
 _append = store_module.Store.append_items
 
 
-async def _doubled(self: Any, session_id: str, turn: int, items: Any, *, group_prefix: str | None = None) -> Any:
-    seqs = await _append(self, session_id, turn, items, group_prefix=group_prefix)
+async def _doubled(self: Any, session_id: str, turn: int, items: Any, **kw: Any) -> Any:
+    seqs = await _append(self, session_id, turn, items, **kw)
     again = [{**i, "id": f"{i['id']}.{uuid.uuid4().hex[:6]}"} for i in items if i.get("kind") == "tool_result"]
     if again:
         await _append(self, session_id, turn, again)

@@ -26,7 +26,16 @@ REQUIRED = (
     "max_history_events_per_run",
     "worker_rss_growth_mb",
 )
-VERDICTS = ("meets_overhead_target", "meets_throughput_target", "meets_growth_target", "meets_history_target")
+VERDICTS = (
+    "meets_overhead_target",
+    "meets_throughput_target",
+    "meets_growth_target",
+    "meets_history_target",
+    "meets_round_trips_target",
+    "meets_rss_target",
+    "meets_cold_build_target",
+    "meets_two_workers_target",
+)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -38,7 +47,8 @@ async def bench_dsn(pg_server: str) -> AsyncIterator[str]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def result(temporal_address: str, temporal_client: Client, bench_dsn: str) -> dict[str, Any]:
-    """One reduced run on the fixtures' servers: 5 latency turns, 4 sessions x 2 turns, a 30-turn session."""
+    """One reduced run on the fixtures' servers: 5 latency turns, 4 sessions x 2 turns, a 30-turn session, cold
+    builds of a 60-item session."""
     return await tb.run(
         turns=5,
         long_turns=30,
@@ -46,6 +56,8 @@ async def result(temporal_address: str, temporal_client: Client, bench_dsn: str)
         turns_per_session=2,
         throughput_rounds=1,
         warmup_turns=1,
+        cold_items=(60,),
+        cold_rounds=2,
         address=temporal_address,
         dsn=bench_dsn,
         namespace=temporal_client.namespace,
@@ -71,6 +83,11 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     assert result["turns"] == 5 and result["long_turns"] == 30
     assert isinstance(result["worker_rss_growth_mb"], float)
     assert json.loads(json.dumps(result)) == result
+    # The turn path's figures: round trips counted at the pool, a fresh process's cold builds, two workers.
+    assert result["pg_round_trips_per_plain_turn"] > 0
+    assert result["cold_build_p50_ms_60"] > 0 and result["cold_build_pg_round_trips_60"] > 0
+    assert result["cold_build_rounds"] == 2
+    assert result["two_workers_p50_ms"] > 0 and result["two_workers_no_affinity_p50_ratio"] > 0
     # Ratios and verdicts come last.
     keys = list(result)
     assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
@@ -89,6 +106,12 @@ def test_engine_turns_are_real_and_history_stays_small(result: dict[str, Any]) -
     assert 0 < result["max_history_events_per_run"] <= tb.HISTORY_EVENTS_LIMIT
     assert result["long_session_runs"] >= 1
     assert result["max_history_event_bytes"] < 64 * 1024  # plan summaries, never the rendered request
+
+
+def test_two_workers_both_serve_the_session(result: dict[str, Any]) -> None:
+    """Without affinity, activities land on either worker process (the server's history names who ran each)."""
+    assert result["two_workers_identities"] == 2
+    assert result["two_workers_activity_hop_share"] > 0
 
 
 def test_percentile_interpolates() -> None:

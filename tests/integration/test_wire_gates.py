@@ -16,8 +16,16 @@ from activities.provider import ProviderReply, ProviderRequest
 from activities.wire import wire_prefix
 from core.build import FrozenPrefix, PrefixInputs, open_prefix
 from core.estimator import ModelProfile, TokenEstimator
+from core.item_rendering import render_item
+from core.items import HistoryItem, parse_history_item
 from harness.protocol_servers import FakeServer, scripted_anthropic_server, scripted_openai_server
-from harness.wire_gates import check_wire_budget, check_wire_pairs, check_wire_stability, compare_rerender
+from harness.wire_gates import (
+    check_wire_budget,
+    check_wire_pairs,
+    check_wire_stability,
+    compare_item_render,
+    compare_rerender,
+)
 from tests.integration import test_providers as tp
 
 pytestmark = pytest.mark.integration
@@ -202,3 +210,24 @@ class TestDeterminismObserver:
             self.row(), secret=tp.SECRET, budget=tp.BUDGET, counter_for=lambda _: tp.COUNTER, render=one_byte_off
         )
         assert diff is not None and diff.item_id == "platform.1.policy" and diff.offset_in_segment == 26
+
+    def test_stored_item_render_reproduces_and_one_byte_off_is_caught(self) -> None:
+        """Render once, at write time: an item's stored render equals a fresh one; a renderer that changes one
+        byte (or a stored count that is off by one) is caught, naming the item."""
+        item = parse_history_item({"id": "u:1", "seq": 3, "kind": "user_message", "trust": "USER", "text": "careful"})
+        stored = render_item(item, tp.SECRET)
+        tokens = {"cl100k_base": tp.COUNTER.count(stored)}
+        same = compare_item_render(item, stored, tokens, secret=tp.SECRET, counter_for=lambda _: tp.COUNTER)
+        assert same is None
+
+        def one_byte_off(it: HistoryItem, secret: bytes) -> str:
+            return render_item(it, secret).replace("careful", "carefuL")
+
+        diff = compare_item_render(
+            item, stored, tokens, secret=tp.SECRET, counter_for=lambda _: tp.COUNTER, render=one_byte_off
+        )
+        assert diff is not None and diff.startswith("item_render_differs: u:1 at byte ")
+        miscounted = compare_item_render(
+            item, stored, {"cl100k_base": tokens["cl100k_base"] + 1}, secret=tp.SECRET, counter_for=lambda _: tp.COUNTER
+        )
+        assert miscounted is not None and miscounted.startswith("item_count_differs: u:1")
