@@ -18,8 +18,11 @@ $(TS_EXAMPLE)/node_modules/.package-lock.json: $(TS_EXAMPLE)/package-lock.json
 .PHONY: install test demo bench lint
 install: $(STAMP) $(TS_EXAMPLE)/node_modules/.package-lock.json
 
+# The suite on TEST_JOBS pytest-xdist workers, each with its own Temporal dev server and PostgreSQL, a test file
+# whole on one worker (tests/conftest.py). `make test TEST_JOBS=0` runs it in one process.
+TEST_JOBS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/ctxengine demo

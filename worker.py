@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar, cast
 
 import structlog
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
@@ -58,8 +58,21 @@ STICKY_SCHEDULE_TO_START = timedelta(seconds=1)
 STARTUP_WAIT_S = 120.0
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is at each write. A stream bound at configure time goes stale when the caller swaps
+    ``sys.stderr`` for a while (click's CliRunner, a test's capture) and closes it: every later log line in the
+    process would then raise ``ValueError: I/O operation on closed file``."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: int = logging.INFO) -> None:
-    """JSON lines on stderr; activities bind session_id, turn and epoch."""
+    """JSON lines on stderr (whichever stream it is when a line is written); activities bind session_id, turn
+    and epoch."""
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -69,7 +82,7 @@ def configure_logging(level: int = logging.INFO) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=True,
     )
 

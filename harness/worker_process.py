@@ -24,11 +24,13 @@ from temporalio.api.enums.v1 import DescribeTaskQueueMode, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue, TaskQueueVersionSelection
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_SCRIPT = REPO / "worker.py"
 _TAIL_CHARS = 3_000
+# Answers a describe may get from a busy or just-started dev server: the readiness probe asks again.
+_TRANSIENT = frozenset({RPCStatusCode.CANCELLED, RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED})
 
 
 class WorkerProcess:
@@ -96,8 +98,12 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if not self.alive:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if await self.polling(client):
-                return
+            try:
+                if await self.polling(client):
+                    return
+            except RPCError as exc:
+                if exc.status not in _TRANSIENT:
+                    raise
             await asyncio.sleep(0.2)
         self.kill()
         raise TimeoutError(f"{self.name} did not poll {self.task_queue} within {timeout}s:\n{self.log_tail()}")

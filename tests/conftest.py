@@ -11,18 +11,26 @@ Nothing starts unless a test asks for it, so unit tests of ``core/`` never start
 - ``temporal_client`` (session): a ``Client`` on it with the pydantic data converter.
 - ``task_queue`` (function): a fresh ``test-<uuid4>`` task queue.
 - ``ctxengine_test_home`` (session): the temporary CTXENGINE_HOME the embedded services live in.
+
+Under pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``) each worker is its own session, so each starts
+its own dev server (free ports) and PostgreSQL (its own temporary home, unix socket only): nothing is shared
+between workers. A test file runs whole on one worker, so a module-scoped fixture is computed once. A test that
+must not share the machine with any other test (it asserts on wall-clock latency) carries
+``@pytest.mark.exclusive``: the other workers finish their current test and wait while it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -39,6 +47,52 @@ from services.embedded import (
     embedded_postgres,
     temporal_namespace,
 )
+
+# ------------------------------------------------------------------------------------- xdist: exclusive tests
+
+_EXCLUSIVE_LOCKS = "ctxengine_exclusive_locks"  # key in each worker's workerinput: the run's lock directory
+_LOCK_DIR = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """On the xdist controller: one lock directory for the run, handed to every worker."""
+    config = node.config
+    if _LOCK_DIR not in config.stash:
+        config.stash[_LOCK_DIR] = tempfile.mkdtemp(prefix="ctxengine-xdist-locks-")
+    node.workerinput[_EXCLUSIVE_LOCKS] = config.stash[_LOCK_DIR]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _LOCK_DIR in config.stash:  # the controller, once every worker has finished
+        shutil.rmtree(config.stash[_LOCK_DIR], ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _alone_or_alongside(item: pytest.Item) -> Iterator[None]:
+    """A reader-writer lock across the xdist workers (flock, writer-preferring through a turnstile): a test
+    marked ``exclusive`` holds it alone, every other test shares it. Without xdist it does nothing."""
+    lock_dir = getattr(item.config, "workerinput", {}).get(_EXCLUSIVE_LOCKS)
+    if lock_dir is None:
+        yield
+        return
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with open(Path(lock_dir) / "turnstile", "a") as turnstile, open(Path(lock_dir) / "running", "a") as running:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)  # a waiting exclusive test holds it: no new test starts meanwhile
+        fcntl.flock(running, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # closing the files releases both locks
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    # Outermost wrapper (tryfirst): the wait for the lock is outside setup, call and the per-test timeout.
+    with _alone_or_alongside(item):
+        return (yield)
+
+
+# ----------------------------------------------------------------------------------------- embedded services
 
 
 @pytest.fixture(scope="session")
