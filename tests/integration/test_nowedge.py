@@ -256,12 +256,17 @@ async def test_worker_waits_for_postgres_at_start(
         temporal_address=temporal_address, dsn=server_dsn, task_queue=queue, home=tmp_path, name="patient"
     )
     try:
-        starting = asyncio.create_task(worker.start(temporal_client, timeout=60))
-        await asyncio.sleep(4)
+        starting = asyncio.create_task(worker.start(temporal_client, timeout=90))
+        # PostgreSQL comes back only once the worker has said it is waiting for it (however slowly the worker
+        # process starts on a loaded host), and the worker must still be alive then.
+        deadline = time.monotonic() + 60
+        while "worker.waiting" not in (worker.log_path.read_text() if worker.log_path.exists() else ""):
+            assert time.monotonic() < deadline, worker.log_tail()
+            assert not starting.done(), worker.log_tail()
+            await asyncio.sleep(0.2)
         assert worker.alive, worker.log_tail()
         await pg_restartable.start()
         await starting
-        assert "worker.waiting" in worker.log_tail() or "worker.waiting" in worker.log_path.read_text()
         handle = await start(temporal_client, queue)
         assert (await asyncio.wait_for(turn(handle, "hello"), timeout=30)).turn == 1
     finally:
