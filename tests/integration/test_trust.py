@@ -16,6 +16,9 @@ from tests.integration.session_helpers import session_open, stack, start, turn
 pytestmark = pytest.mark.integration
 
 
+# Both races hinge on wall clock: the child run waits at most CHILD_WAITS (5 s) for the change to reach the session
+# (child_start_hold.py). Under xdist they run while no other test does (tests/conftest.py).
+@pytest.mark.exclusive
 async def test_revocation_racing_a_child_start_reaches_the_child(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
@@ -64,6 +67,7 @@ async def _escalating_turn(handle: Any, on_escalation: Any) -> Any:
     raise AssertionError("the session never escalated to a child run")
 
 
+@pytest.mark.exclusive
 async def test_regrant_racing_a_child_start_reaches_the_child(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
