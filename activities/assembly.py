@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
+from operator import attrgetter
 
 from pydantic import BaseModel, Field
 
@@ -25,6 +27,8 @@ from core.items import (
     UserMessage,
     WorkingStateBlock,
 )
+
+_seq = attrgetter("seq")
 
 
 class StoredMemory(BaseModel):
@@ -50,16 +54,23 @@ class RequestInputs(BaseModel):
 
 
 def body_inputs(items: Sequence[HistoryItem], checkpoint: Checkpoint | None, ri: RequestInputs) -> BodyInputs:
-    """The builder's Region B inputs for one request (pure)."""
-    log = [i for i in items if i.seq <= ri.max_seq] if items and items[-1].seq > ri.max_seq else list(items)
-    user = next((i for i in reversed(log) if i.id == ri.user_item_id), None) if ri.user_item_id else None
+    """The builder's Region B inputs for one request (pure). `items`: the session log in log order (by seq), as
+    the store and the memo hold it; only the items up to `ri.max_seq` are the request's. The work is what the
+    active turn holds, not the log's length: slices, and a walk back to the turn's message."""
+    # A slice is a copy, never the caller's list: the builder's memo keeps what it was given, and the memo grows.
+    log = items[: bisect.bisect_right(items, ri.max_seq, key=_seq) if items and items[-1].seq > ri.max_seq else None]
+    at = -1
+    if ri.user_item_id:
+        at = next((k for k in range(len(log) - 1, -1, -1) if log[k].id == ri.user_item_id), -1)
+    user = log[at] if at >= 0 else None
     turn_start = user.seq if user is not None else (log[-1].seq + 1 if log else 0)
     current: CurrentUserMessage | None = None
     history = log
     if ri.call_index == 0 and isinstance(user, UserMessage):
-        history = [i for i in log if i.seq != user.seq]
+        history = [*log[:at], *log[at + 1 :]]
         current = CurrentUserMessage(id=user.id, seq=user.seq, text=user.text)
-    return BodyInputs(
+    # Built from typed values: validating the history again would cost a pass over the whole log per request.
+    return BodyInputs.model_construct(
         history=history,
         checkpoint=checkpoint,
         turn_start_seq=turn_start,

@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.lifecycle import seal_orphans
-from activities.minimum_body import check_turn_fits, turn_too_large
+from activities.minimum_body import turn_too_large
 from activities.rows import TurnReads
 from activities.session_state import (
     RECALL_LIMIT,
@@ -34,7 +34,7 @@ from core.compaction import Checkpoint
 from core.errors import ContextError, TurnTooLargeError
 from core.estimator import TokenEstimator
 from core.explain import first_difference
-from core.items import Region, TrustLevel
+from core.items import Region, TrustLevel, parse_history_item
 from core.plan import ContextPlan
 from core.rendering import ESCAPING_FINGERPRINT
 from core.working_state import holds_tainted, render
@@ -55,25 +55,18 @@ class BuildActivities(BuildCalls):
         # the checkpoint, the corrections and the recall for the turn's message (when the message is known here).
         open_, secret, cache, reads = await state.turn_reads(inp.session_id, inp.epoch, self._recall_query(inp))
         user_item_id = inp.user_item_id
+        # The turn's message, when this call is the first to log it: built in place (at the next position) and
+        # logged with the request in one write, so a message that cannot fit is refused with nothing appended.
+        message: list[dict[str, Any]] = []
         if inp.user_text is not None:
             await seal_orphans(
                 state, inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran", cache=cache
             )
             user_item_id = f"u:{inp.update_id or inp.turn}"
-            await check_turn_fits(state, inp, open_, secret, cache, user_item_id, reads=reads)
-            await state.append(
-                inp.session_id,
-                inp.turn,
-                [
-                    {
-                        "id": user_item_id,
-                        "kind": "user_message",
-                        "trust": TrustLevel.USER.value,
-                        "text": inp.user_text,
-                    }
-                ],
-                cache,
-            )
+            if user_item_id not in cache.by_id:
+                message = [
+                    {"id": user_item_id, "kind": "user_message", "trust": TrustLevel.USER.value, "text": inp.user_text}
+                ]
         prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
         profile = calibrated(profile, reads.calibration, reads.provider_calibration)
         estimator = TokenEstimator(profile, state.counter(profile.encoding))
@@ -85,12 +78,15 @@ class BuildActivities(BuildCalls):
                 epoch_fingerprint=prefix.escaping_fingerprint,
                 worker_fingerprint=ESCAPING_FINGERPRINT,
             )
-        plan, ri, body_in = await self._plan(inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads)
+        plan, ri, body_in = await self._plan(
+            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
+        )
         inputs = ri.model_dump(mode="json")
         body_segments = plan.segments[len(prefix.segments) :]
         base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
-        # One write: the request's body (as a delta of this worker's last one) and its record.
-        hashes = await store.store_request(
+        # One write: the request's body (as a delta of this worker's last one), its record and the turn's message.
+        renders = state.render_for_log(message, cache)
+        hashes, seqs = await store.store_request(
             inp.session_id,
             inp.turn,
             inp.call_index,
@@ -104,7 +100,17 @@ class BuildActivities(BuildCalls):
             body=[cache.json_of(s) for s in body_segments[keep:]],
             base=base,
             keep=keep,
+            append=message,
+            renders=renders,
         )
+        if message and seqs != [ri.max_seq]:
+            # Something was logged between this call's read and its write (a late reply of a timed-out attempt):
+            # the request was built without it. The retry reads it and builds again (its record replaces this).
+            raise ApplicationError(
+                f"the log of session {inp.session_id!r} moved while turn {inp.turn} was built; building again",
+                type="LogMoved",
+            )
+        state.joined(message, seqs, renders, cache)
         cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
         if len(hashes) > 1 and plan.prefix_sha256 != hashes[0].prefix_sha256:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
@@ -148,11 +154,15 @@ class BuildActivities(BuildCalls):
         user_item_id: str | None,
         *,
         reads: TurnReads,
+        message: list[dict[str, Any]],
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
         """The request's inputs, read from the store by reference (`reads`: this call's one read, with the memo
-        brought up to date from it), and the plan the pure builder makes of them."""
+        brought up to date from it; `message`: the turn's message, not logged yet, at the next position), and the
+        plan the pure builder makes of them."""
         store = self.state.store
         items = cache.items
+        if message:
+            items = [*items, parse_history_item({**message[0], "seq": cache.max_seq + 1})]
         checkpoint = Checkpoint.model_validate(reads.checkpoint) if reads.checkpoint else None
         ws = working_state(reads.working_state_writes, estimator.counter.count, inp.turn + 1)
         recall_rows = reads.recall
@@ -186,7 +196,7 @@ class BuildActivities(BuildCalls):
                 prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
             )
         except TurnTooLargeError as exc:
-            raise turn_too_large(exc, logged=True) from exc
+            raise turn_too_large(exc, logged=not message) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
         return plan, ri, body

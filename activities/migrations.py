@@ -161,10 +161,27 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN IF NOT EXISTS owner text;
     """,
-    # 4: render once, at write time (docs/schema.md): each item's rendered segment and its token count per
-    # counter, so a worker that has not seen the session reads them instead of escaping and counting again
+    # 4: render once, at write time (docs/operations.md, "Schema and migrations"): each item's rendered segment
+    # and its token count per counter, so a worker that has not seen the session reads them instead of escaping
+    # and counting again
     """
     ALTER TABLE items ADD COLUMN IF NOT EXISTS rendered text;
     ALTER TABLE items ADD COLUMN IF NOT EXISTS tokens jsonb;
+    """,
+    # 5: each distinct prefix hash of an epoch once, with the request that first sent it, so a build checks its
+    # prefix against the epoch's few hashes instead of reading every request record of the epoch
+    """
+    CREATE TABLE IF NOT EXISTS request_prefixes (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        epoch integer NOT NULL,
+        prefix_sha256 text NOT NULL,
+        first_turn integer NOT NULL,
+        first_call_index integer NOT NULL,
+        PRIMARY KEY (session_id, epoch, prefix_sha256)
+    );
+    INSERT INTO request_prefixes (session_id, epoch, prefix_sha256, first_turn, first_call_index)
+    SELECT DISTINCT ON (session_id, epoch, prefix_sha256) session_id, epoch, prefix_sha256, turn, call_index
+    FROM request_records ORDER BY session_id, epoch, prefix_sha256, turn, call_index
+    ON CONFLICT DO NOTHING;
     """,
 )

@@ -1,6 +1,7 @@
 """Whether the smallest request a turn can make fits beside a prefix: a message, the working state, the
-corrections and the clock. Checked before a user message is logged (else the turn fails alone, TurnTooLarge)
-and before a rotation to another model route (else the rotation is refused, RotationRefused).
+corrections and the clock. Checked before a rotation to another model route (else the rotation is refused,
+RotationRefused). A turn's own message is checked by its first build, before the message is logged (the build
+raises TurnTooLargeError; `turn_too_large` makes it the turn's typed failure).
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
-from activities.rows import MemoryRow, TurnReads
-from activities.session_state import SessionCache, SessionState, calibrated, snapshot_ids, working_state
-from contract.payloads import BuildInput, OpenInput, SessionOpen
+from activities.rows import MemoryRow
+from activities.session_state import SessionState, snapshot_ids, working_state
+from contract.payloads import OpenInput
 from core.budget import ContextBudget
 from core.build import FrozenPrefix, build
 from core.errors import RouteDoesNotFitError, TurnTooLargeError
 from core.estimator import ModelProfile, TokenEstimator
-from core.items import TrustLevel, UserMessage
+from core.items import UserMessage
 from core.working_state import render
 
 # A rotation to another route must leave room for a message of this many tokens beside the minimum body.
@@ -57,42 +58,6 @@ async def check_route_fits(
             estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
         )
         raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
-
-
-async def check_turn_fits(
-    state: SessionState,
-    inp: BuildInput,
-    open_: SessionOpen,
-    secret: bytes,
-    cache: SessionCache,
-    user_item_id: str,
-    *,
-    reads: TurnReads,
-) -> None:
-    """Before the user message is logged: its minimum body (message, working state, corrections, clock)
-    must fit beside the prefix, or the turn fails alone with TurnTooLarge and nothing is appended."""
-    assert inp.user_text is not None
-    prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
-    profile = calibrated(profile, reads.calibration, reads.provider_calibration)
-    estimator = TokenEstimator(profile, state.counter(profile.encoding))
-    message = UserMessage(id=user_item_id, seq=0, text=inp.user_text, trust=TrustLevel.USER)
-    try:
-        await _build_minimum(
-            state,
-            inp.session_id,
-            open_.memory_scope,
-            prefix,
-            estimator,
-            open_.context_budget(estimator.profile),
-            secret,
-            message=message,
-            turn=inp.turn,
-            upto_turn=inp.turn + 1,
-            now_iso=inp.now_iso,
-            read=(reads.working_state_writes, reads.corrections),
-        )
-    except TurnTooLargeError as exc:
-        raise turn_too_large(exc, logged=False) from exc
 
 
 def turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:

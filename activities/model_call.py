@@ -66,7 +66,7 @@ class ModelCallActivities(ModelCalls):
             )
         built = cache.built.get(inp.request_sha256)
         if built is not None:  # built on this worker: no need to read the request back
-            segments = [cache.provider_of(s) for s in built]
+            segments = cache.provider_segments(built)
         else:
             stored = await store.get_request(inp.request_sha256)
             assert stored is not None
@@ -95,8 +95,7 @@ class ModelCallActivities(ModelCalls):
         reply = await _heartbeating(_within_attempt(provider.complete(request)))
         if reply.wire_prefix is not None:
             await self._record_wire_prefix(inp, reply.wire_prefix)
-        # One write for the outcome, first: usage (the first attempt's figures win), the estimator's reconciliation
-        # and its event; then the reply's items, all or none of them.
+        # The outcome: usage (the first attempt's figures win), the estimator's reconciliation and its event.
         usage = reply.usage
         profile = calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
         learned, rec = reconcile(
@@ -114,23 +113,6 @@ class ModelCallActivities(ModelCalls):
             if (inp.turn, inp.call_index) == (1, 0)
             else min(record.plan["prefix_tokens"], usage.input_tokens),
         }
-        recorded, added = await store.record_outcome(
-            inp.session_id,
-            inp.turn,
-            inp.call_index,
-            actual=usage.input_tokens,
-            cached=usage.cached_tokens,
-            output=usage.output_tokens,
-            route=profile.route,
-            observed=rec.observed_ratio,
-            first=learned.calibration,
-            event_key=event_key,
-            event_type=EventType.ESTIMATOR_RECONCILED.value,
-            epoch=inp.epoch,
-            payload=payload,
-        )
-        if added:
-            state.logged_event(inp.session_id, EventType.ESTIMATOR_RECONCILED, inp.turn, inp.epoch, payload)
         # Everything the model wrote in reply to a request with untrusted content in view may repeat or obey it.
         tainted = self.reply_tainted(record.plan)
         new_items: list[dict[str, Any]] = []
@@ -177,7 +159,31 @@ class ModelCallActivities(ModelCalls):
                     "artifact_ref": None,
                 }
             )
-        await state.append(inp.session_id, inp.turn, new_items, cache, group_prefix=base)
+        # One write: usage, reconciliation and its event, and the reply's items as one group (logged after the
+        # request was built: its inputs name that position), all or none of them.
+        renders = state.render_for_log(new_items, cache)
+        recorded, added, seqs = await store.record_outcome(
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            actual=usage.input_tokens,
+            cached=usage.cached_tokens,
+            output=usage.output_tokens,
+            route=profile.route,
+            observed=rec.observed_ratio,
+            first=learned.calibration,
+            event_key=event_key,
+            event_type=EventType.ESTIMATOR_RECONCILED.value,
+            epoch=inp.epoch,
+            payload=payload,
+            append=new_items,
+            group_prefix=base,
+            group_after_seq=int(record.inputs.get("max_seq", -1)),
+            renders=renders,
+        )
+        if added:
+            state.logged_event(inp.session_id, EventType.ESTIMATOR_RECONCILED, inp.turn, inp.epoch, payload)
+        state.joined(new_items, seqs, renders, cache)
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if not logged:  # logged out of the memo's order (another attempt's reply): read the log
             logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]

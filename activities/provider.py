@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -118,6 +120,7 @@ class ScriptedOptions(BaseModel):
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
 _SLEEP = re.compile(r"^/sleep\s+([0-9]+(?:\.[0-9]+)?)\s*$", re.MULTILINE)
 MAX_SCRIPTED_SLEEP = 30.0
+_RAW_TOKENS = attrgetter("raw_tokens")
 CONVERSATION_KINDS = frozenset(
     {
         "current_message",
@@ -171,9 +174,10 @@ class ScriptedProvider:
     async def complete(self, request: ProviderRequest) -> ProviderReply:
         ratio = ScriptedOptions.model_validate(request.options).usage_ratio
         segs = request.segments
-        # The conversation, without per-request context (recall, corrections, working state, the clock).
-        convo = [s for s in segs if s.kind in CONVERSATION_KINDS]
-        last = convo[-1] if convo else None
+        # The conversation, without per-request context (recall, corrections, working state, the clock), read
+        # from its end: what the reply depends on is the last message and the tool results just before it.
+        convo = (s for s in reversed(segs) if s.kind in CONVERSATION_KINDS)
+        last = next(convo, None)
         calls: list[ProviderToolCall] = []
         if last is not None and last.kind == "current_message":
             text = _content_of(last.text)
@@ -190,18 +194,19 @@ class ScriptedProvider:
             reply = "" if calls else f"Noted: {_first_words(text)}"
         else:
             tail: list[ProviderSegment] = []
-            for s in reversed(convo):
-                if s.role != "tool":
-                    break
+            s = last
+            while s is not None and s.role == "tool":
                 tail.append(s)
+                s = next(convo, None)
             described = ", ".join(f"{s.item_id} ({s.trust}, {len(s.text)} chars)" for s in reversed(tail))
             reply = f"Done. Tool results: {described}." if tail else "Done."
         # Usage from the plan's counts (each segment counted once, when it was rendered), times the ratio
         # that stands in for another provider's tokenizer.
-        input_tokens = math.ceil((sum(s.raw_tokens for s in segs) + 4 * len(segs)) * ratio)
+        input_tokens = math.ceil((sum(map(_RAW_TOKENS, segs)) + 4 * len(segs)) * ratio)
         cached = 0
         if request.prefix_sha256 in self._seen:
-            cached = math.floor(sum(s.raw_tokens for s in segs if s.region == "A") * ratio)
+            prefix = itertools.takewhile(lambda s: s.region == "A", segs)  # Region A leads every request
+            cached = math.floor(sum(map(_RAW_TOKENS, prefix)) * ratio)
             self._seen.move_to_end(request.prefix_sha256)
         else:
             self._seen[request.prefix_sha256] = None

@@ -8,6 +8,7 @@ with a typed, non-retryable error.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections import OrderedDict
 from typing import Any
@@ -21,7 +22,7 @@ from activities.rows import CallReads, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
-from contract.payloads import SessionOpen
+from contract.payloads import STORED, SessionOpen
 from core.build import FrozenPrefix, RenderCache, counter_key
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import render_item
@@ -30,6 +31,7 @@ from core.plan import Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
 
 log = structlog.get_logger("ctxengine.activities")
+_seq = operator.attrgetter("seq")
 RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 
 
@@ -54,6 +56,11 @@ class SessionCache:
         # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
         self.by_id: dict[str, HistoryItem] = {}
         self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
+        # Items up to this position are covered by the latest checkpoint: no request shows them again, so the
+        # memo drops them (`prune`) and a cold read starts after them. -1: no checkpoint.
+        self.floor = -1
+        # The last request's segments in the provider port's form, so the next one converts only what is new.
+        self.last_provider: tuple[list[Segment], list[ProviderSegment]] = ([], [])
 
     def _lasting(self, seg: Segment) -> bool:
         """Whether `seg` lives as long as the session (Region A, or a logged item's): only those are memoised,
@@ -75,6 +82,35 @@ class SessionCache:
             if self._lasting(seg):
                 self.seg_provider[id(seg)] = hit
         return hit[1]
+
+    def provider_segments(self, segments: list[Segment]) -> list[ProviderSegment]:
+        """`segments` in the provider port's form; the head they share with the last request's is reused."""
+        last, converted = self.last_provider
+        keep = shared_head(segments, last)
+        out = converted[:keep] + [self.provider_of(s) for s in segments[keep:]]
+        self.last_provider = (segments, out)
+        return out
+
+    def prune(self, covers_to_seq: int) -> None:
+        """Forget the logged items a checkpoint covers (up to `covers_to_seq`): no request shows them again (it
+        shows the checkpoint), so the memo holds what the window holds, not the session's whole log."""
+        if covers_to_seq <= self.floor:
+            return
+        self.floor = covers_to_seq
+        self.max_seq = max(self.max_seq, covers_to_seq)
+        k = bisect.bisect_right(self.items, covers_to_seq, key=_seq)
+        if not k:
+            return
+        gone = {item.id for item in self.items[:k]}
+        del self.items[:k]
+        for item_id in gone:
+            self.by_id.pop(item_id, None)
+            self.stored.pop(item_id, None)
+        for cache in self.renders.values():
+            cache.forget(gone)
+        self.seg_json.clear()  # refilled by the next request, for the segments it still shows
+        self.seg_provider.clear()
+        self.last_provider = ([], [])
 
     def this_turn(self) -> list[HistoryItem]:
         """The items logged since the last user message, that message included (the current turn's, in order)."""
@@ -103,8 +139,7 @@ class SessionCache:
         sha, last_prefix, last, depth = self.last_body
         if last_prefix != prefix_sha or depth >= MAX_DELTA_CHAIN:
             return None, 0
-        same = list(map(operator.is_, body, last))
-        keep = same.index(False) if False in same else len(same)
+        keep = shared_head(body, last)
         return (sha, keep) if keep else (None, 0)
 
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
@@ -138,6 +173,12 @@ class SessionCache:
             return self.prefixes[max(self.prefixes)][1].encoding
         assert self.open is not None
         return self.open.route.profile().encoding
+
+
+def shared_head(a: list[Segment], b: list[Segment]) -> int:
+    """How many leading segments `a` and `b` share, by identity (segments are immutable and memoised)."""
+    same = list(map(operator.is_, a, b))
+    return same.index(False) if False in same else len(same)
 
 
 class SessionState:
@@ -191,7 +232,7 @@ class SessionState:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         if cache.open is None:
-            cache.open = SessionOpen.model_validate(row.open)
+            cache.open = SessionOpen.model_validate(row.open, context=STORED)  # validated in full at open
         return cache.open, cache.secret, cache
 
     async def turn_reads(
@@ -216,6 +257,8 @@ class SessionState:
         else:
             for row in reads.items:
                 cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+            if reads.checkpoint is not None:
+                cache.prune(int(reads.checkpoint["covers_to_seq"]))
             if reads.prefix is not None:
                 cache.prefixes[epoch] = (
                     FrozenPrefix.model_validate(reads.prefix.prefix),
@@ -246,9 +289,11 @@ class SessionState:
         return open_, cache, reads
 
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
-        rows = await self.store.load_items(session_id, cache.max_seq)
+        """The log the latest checkpoint does not cover, in log order: what any request can show."""
+        covers_to_seq, rows = await self.store.load_live_items(session_id, cache.max_seq)
         for row in rows:
             cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+        cache.prune(covers_to_seq)
         return cache.items
 
     async def append(
@@ -259,21 +304,39 @@ class SessionState:
         cache: SessionCache,
         *,
         group_prefix: str | None = None,
+        group_after_seq: int = -1,
     ) -> list[int]:
-        """Log `items` with their renders (render once, at write time): each rendered with the session's secret
-        and counted by the counter of the session's current route, so a worker that has not seen the session
-        reads them instead of rendering and counting again."""
+        """Log `items` with their renders (`renders`), in one round trip; they join the memo (`joined`)."""
+        renders = self.render_for_log(items, cache)
+        seqs = await self.store.append_items(
+            session_id, turn, items, group_prefix=group_prefix, group_after_seq=group_after_seq, renders=renders
+        )
+        self.joined(items, seqs, renders, cache)
+        return seqs
+
+    def render_for_log(self, items: list[dict[str, Any]], cache: SessionCache) -> list[tuple[str, dict[str, int]]]:
+        """Each item's render, stored with it (render once, at write time): rendered with the session's secret and
+        counted by the counter of the session's current route, so a worker that has not seen the session reads
+        them instead of rendering and counting again."""
         counter = self.counter(cache.write_counter_encoding())
-        renders: list[tuple[str, dict[str, int]]] = []
+        out: list[tuple[str, dict[str, int]]] = []
         for data in items:
             text = render_item(parse_history_item({**data, "seq": 0}), cache.secret)
-            renders.append((text, {counter.name: counter.count(text)}))
-        seqs = await self.store.append_items(session_id, turn, items, group_prefix=group_prefix, renders=renders)
-        if seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))) and items:
-            # Logged right after what the memo holds: it joins the memo without reading the log back.
+            out.append((text, {counter.name: counter.count(text)}))
+        return out
+
+    def joined(
+        self,
+        items: list[dict[str, Any]],
+        seqs: list[int],
+        renders: list[tuple[str, dict[str, int]]],
+        cache: SessionCache,
+    ) -> None:
+        """Items just logged at `seqs` join the memo when they follow what it holds (no read back); otherwise the
+        next read brings them."""
+        if items and seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))):
             for data, seq, (text, tokens) in zip(items, seqs, renders, strict=True):
                 cache.log(parse_history_item({**data, "seq": seq}), text, tokens)
-        return seqs
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:

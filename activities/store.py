@@ -50,19 +50,45 @@ SQL_INSERT_SESSION = """
 INSERT INTO sessions (session_id, open, secret) VALUES ($1, $2, $3)
 ON CONFLICT (session_id) DO NOTHING"""
 SQL_GET_SESSION = "SELECT open, secret, created_at, closed_at, close_reason FROM sessions WHERE session_id = $1"
+# The latest checkpoint of session $1 (the one a build shows) and the last log position it covers (-1: none).
+LATEST_CHECKPOINT = """
+  SELECT c.checkpoint, coalesce(c.covers_to_seq, -1) AS covers_to_seq FROM (SELECT 1) AS one
+  LEFT JOIN LATERAL (
+    SELECT c.checkpoint, c.covers_to_seq FROM checkpoints c WHERE c.session_id = $1
+    ORDER BY c.covers_to_seq DESC, (c.checkpoint->>'kind' = 'escalation') DESC, c.depth DESC LIMIT 1) c ON true
+"""
 SQL_LOAD_ITEMS = """
 SELECT seq, turn, payload, rendered, tokens FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
-# One round trip: the items not logged yet (by id) get the next positions, in order, with their stored render;
-# a group already begun ($4: its id prefix) adds nothing. Positions race only with another append to the same
-# session at the same instant (the workflow serialises them): the primary key refuses it and the store retries.
-SQL_APPEND_ITEMS = """
-WITH input AS (
-    SELECT e.value AS entry, e.ordinality AS ord FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY AS e
-), existing AS (
-    SELECT x.item_id, x.seq FROM items x JOIN input ON x.session_id = $1 AND x.item_id = input.entry->'item'->>'id'
+# The log a worker's memo needs ($2: the position it holds): what the latest checkpoint does not cover.
+SQL_LIVE_ITEMS = (
+    """
+SELECT cp.covers_to_seq,
+  (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
+                                                'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+     FROM items i WHERE i.session_id = $1 AND i.seq > greatest($2, cp.covers_to_seq)) AS items
+FROM ("""
+    + LATEST_CHECKPOINT
+    + ") cp"
+)
+
+
+def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
+    """The CTEs that log items once each, in order, at the next positions of session $1, with their stored
+    render: `entries` a jsonb array of {item, rendered, tokens}; the items not logged yet (by id) are appended; a
+    group already begun (`group`: its id prefix, looked for after position `after`) adds nothing. Positions race
+    only with another append to the same session at the same instant (the workflow serialises them): the primary
+    key refuses it and the store retries the statement. Read the outcome with `APPENDED`."""
+    return f"""input AS (
+    SELECT e.value AS entry, e.ordinality AS ord FROM jsonb_array_elements({entries}) WITH ORDINALITY AS e
+), existing AS (  -- one index lookup per input item (a join may read the session's whole log)
+    SELECT e.item_id, e.seq FROM (
+        SELECT input.entry->'item'->>'id' AS item_id,
+               (SELECT x.seq FROM items x WHERE x.session_id = $1 AND x.item_id = input.entry->'item'->>'id') AS seq
+        FROM input
+    ) e WHERE e.seq IS NOT NULL
 ), grouped AS (
-    SELECT $4::text IS NOT NULL AND EXISTS (
-        SELECT 1 FROM items WHERE session_id = $1 AND starts_with(item_id, $4::text)
+    SELECT {group} IS NOT NULL AND EXISTS (
+        SELECT 1 FROM items WHERE session_id = $1 AND seq > {after} AND starts_with(item_id, {group})
     ) AS logged
 ), fresh AS (
     SELECT input.entry, (SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1)
@@ -72,15 +98,19 @@ WITH input AS (
       AND NOT (SELECT logged FROM grouped)
 ), inserted AS (
     INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
-    SELECT $1, seq, entry->'item'->>'id', entry->'item'->>'kind', entry->'item'->>'trust', $3,
+    SELECT $1, seq, entry->'item'->>'id', entry->'item'->>'kind', entry->'item'->>'trust', {turn},
            (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens'
     FROM fresh
     ON CONFLICT (session_id, item_id) DO NOTHING
     RETURNING item_id, seq
-)
-SELECT (SELECT logged FROM grouped) AS logged,
+)"""
+
+
+APPENDED = """(SELECT logged FROM grouped) AS logged,
        coalesce((SELECT jsonb_object_agg(item_id, seq) FROM existing), '{}'::jsonb) AS existing,
        coalesce((SELECT jsonb_object_agg(item_id, seq) FROM inserted), '{}'::jsonb) AS inserted"""
+# Items appended alone: $2 the entries, $3 the turn, $4 the group's id prefix, $5 where the group is looked for.
+SQL_APPEND_ITEMS = "WITH " + _append_ctes("$2::jsonb", "$3", "$4::text", "$5") + "\nSELECT " + APPENDED
 APPEND_ATTEMPTS = 5
 SQL_PUT_ARTIFACT = """
 INSERT INTO artifacts (session_id, sha256, trust, media_type, content) VALUES ($1, $2, $3, $4, $5)
@@ -126,9 +156,11 @@ WITH RECURSIVE chain AS (
     WHERE chain.depth < $2
 )
 SELECT prefix_sha256, body FROM chain ORDER BY depth"""
-# A built request in one round trip: its body (content-addressed), its record, and the distinct prefix hashes
-# of its epoch with this request's counted (first seen first).
-SQL_STORE_REQUEST = """
+# A built request in one round trip: its body (content-addressed), its record, the turn's message when it is
+# logged with it ($12: append entries, possibly none), and the distinct prefix hashes of its epoch with this
+# request's counted (first seen first).
+SQL_STORE_REQUEST = (
+    """
 WITH body AS (
     INSERT INTO rendered_requests (sha256, prefix_sha256, body) VALUES ($6, $5, $11) ON CONFLICT (sha256) DO NOTHING
 ), record AS (
@@ -140,12 +172,25 @@ WITH body AS (
         estimated_tokens = EXCLUDED.estimated_tokens, raw_tokens = EXCLUDED.raw_tokens, plan = EXCLUDED.plan,
         inputs = EXCLUDED.inputs
     WHERE request_records.actual_input_tokens IS NULL
+), seen AS (
+    INSERT INTO request_prefixes (session_id, epoch, prefix_sha256, first_turn, first_call_index)
+    VALUES ($1, $4, $5, $2, $3) ON CONFLICT DO NOTHING
+), """
+    + _append_ctes("$12::jsonb", "$2", "NULL::text", "-1")
+    + """
+SELECT (
+    SELECT jsonb_agg(jsonb_build_object('prefix_sha256', p.prefix_sha256, 'first_turn', p.first_turn)
+                     ORDER BY p.first_turn)
+    FROM (
+        SELECT prefix_sha256, min(first_turn) AS first_turn FROM (
+            SELECT prefix_sha256, first_turn FROM request_prefixes
+            WHERE session_id = $1 AND epoch = $4 AND NOT (first_turn = $2 AND first_call_index = $3)
+            UNION ALL SELECT $5, $2
+        ) AS r GROUP BY prefix_sha256
+    ) AS p
+) AS prefixes, """
+    + APPENDED
 )
-SELECT prefix_sha256, min(turn) AS first_turn FROM (
-    SELECT prefix_sha256, turn FROM request_records
-    WHERE session_id = $1 AND epoch = $4 AND NOT (turn = $2 AND call_index = $3)
-    UNION ALL SELECT $5, $2
-) AS r GROUP BY prefix_sha256 ORDER BY min(turn)"""
 SQL_GET_RECORD = "SELECT * FROM request_records WHERE session_id = $1 AND turn = $2 AND call_index = $3"
 SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn, call_index"
 SQL_RECORD_WIRE = """
@@ -195,7 +240,7 @@ SQL_TURN_READS = """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
                                                 'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
-     FROM items i WHERE i.session_id = $1 AND i.seq > $2) AS items,
+     FROM items i WHERE i.session_id = $1 AND i.seq > greatest($2, cp.covers_to_seq)) AS items,
   p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
   CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
   CASE WHEN $4 THEN p.inputs END AS inputs,
@@ -205,8 +250,7 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
     AS provider_calibration,
   (SELECT coalesce(jsonb_agg(w.write ORDER BY w.position), '[]') FROM working_state_writes w
      WHERE w.session_id = $1) AS working_state_writes,
-  (SELECT c.checkpoint FROM checkpoints c WHERE c.session_id = $1
-     ORDER BY c.covers_to_seq DESC, (c.checkpoint->>'kind' = 'escalation') DESC, c.depth DESC LIMIT 1) AS checkpoint,
+  cp.checkpoint,
   (SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', m.memory_id, 'text', m.text, 'trust', m.trust,
                                                 'corrects', m.corrects) ORDER BY m.created_at, m.memory_id), '[]')
      FROM memories m WHERE m.scope = s.open->>'memory_scope' AND m.corrects = ANY(snap.ids)) AS corrections,
@@ -220,13 +264,14 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
           ORDER BY rank DESC, m.memory_id LIMIT $6) r
   ) END AS recall
 FROM sessions s
+LEFT JOIN LATERAL ({LATEST_CHECKPOINT}) cp ON true
 LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $3
 LEFT JOIN LATERAL (
   SELECT coalesce(array_agg(substr(seg->>'item_id', 8)), '{}') AS ids
   FROM jsonb_array_elements(coalesce(p.prefix->'segments', '[]'::jsonb)) AS seg
   WHERE seg->>'kind' = 'memory_snapshot'
 ) snap ON true
-WHERE s.session_id = $1"""
+WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT)
 # The model call's reads in one round trip (Store.call_reads): $1 session, $2 turn, $3 call index, $4 log position
 # already memoised, $5 epoch.
 SQL_CALL_READS = """
@@ -244,8 +289,10 @@ FROM sessions s LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch 
 WHERE s.session_id = $1"""
 # A model call's outcome in one round trip: its usage (the first attempt's figures win), the estimator's
 # reconciliation (a higher observed ratio adopted at once, a lower one relaxed towards, in one statement, so
-# concurrent sessions on a route never lose an upward move) and its event (stored once, by key).
-SQL_RECORD_OUTCOME = """
+# concurrent sessions on a route never lose an upward move), its event (stored once, by key) and the reply's
+# items, one group ($14: append entries, $15: the group's id prefix, $16: the request's last log position).
+SQL_RECORD_OUTCOME = (
+    """
 WITH usage AS (
     UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
     WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL RETURNING 1
@@ -258,8 +305,12 @@ WITH usage AS (
 ), event AS (
     INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $10, $11, $2, $12, $13)
     ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1
+), """
+    + _append_ctes("$14::jsonb", "$2", "$15::text", "$16")
+    + """
+SELECT EXISTS (SELECT 1 FROM usage) AS usage_recorded, EXISTS (SELECT 1 FROM event) AS event_added, """
+    + APPENDED
 )
-SELECT EXISTS (SELECT 1 FROM usage) AS usage_recorded, EXISTS (SELECT 1 FROM event) AS event_added"""
 SQL_LATEST_CHECKPOINT = """
 SELECT checkpoint FROM checkpoints WHERE session_id = $1
 ORDER BY covers_to_seq DESC, (checkpoint->>'kind' = 'escalation') DESC, depth DESC LIMIT 1"""
@@ -444,6 +495,7 @@ class Store:
         items: Sequence[dict[str, Any]],
         *,
         group_prefix: str | None = None,
+        group_after_seq: int = -1,
         renders: Sequence[tuple[str, dict[str, int]]] | None = None,
     ) -> list[int]:
         """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order, in one
@@ -451,30 +503,35 @@ class Store:
 
         Returns each item's seq; an item whose id is already logged keeps its first seq and payload. With
         `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
-        (a retried model call must not mix two replies). `renders`, beside each item: its rendered segment and
-        its token count per counter, stored with it (render once, at write time).
+        (a retried model call must not mix two replies); the group is looked for after `group_after_seq` (a reply
+        is logged after the request it answers was built), so the check costs what was logged since. `renders`,
+        beside each item: its rendered segment and its token count per counter, stored with it (render once, at
+        write time).
         """
-        if renders is not None and len(renders) != len(items):
-            raise ValueError(f"{len(renders)} renders for {len(items)} items")
-        entries = [
-            {"item": item, "rendered": renders[i][0], "tokens": renders[i][1]} if renders else {"item": item}
-            for i, item in enumerate(items)
-        ]
+        entries = _entries(items, renders)
+        row = await self._positioned(SQL_APPEND_ITEMS, session_id, entries, turn, group_prefix, group_after_seq)
+        return _appended(row, items)
+
+    async def _positioned(self, sql: str, *args: Any) -> Any:
+        """One statement that appends items, retried when a concurrent append took the same position (the
+        statement as a whole failed, so nothing of it was written)."""
         for attempt in range(APPEND_ATTEMPTS):
             try:
-                row = await self.pool.fetchrow(SQL_APPEND_ITEMS, session_id, entries, turn, group_prefix)
-                break
-            except asyncpg.UniqueViolationError as exc:  # a concurrent append took the same position
+                return await self.pool.fetchrow(sql, *args)
+            except asyncpg.UniqueViolationError as exc:
                 if exc.constraint_name != "items_pkey" or attempt == APPEND_ATTEMPTS - 1:
                     raise
-        assert row is not None
-        if row["logged"]:
-            return []
-        seqs = {**row["existing"], **row["inserted"]}
-        return [seqs[item["id"]] for item in items if item["id"] in seqs]
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def load_items(self, session_id: str, after_seq: int = -1) -> list[LoggedItem]:
         return _all(LoggedItem, await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq))
+
+    async def load_live_items(self, session_id: str, after_seq: int = -1) -> tuple[int, list[LoggedItem]]:
+        """The log after `after_seq` that the latest checkpoint does not cover, and the last position it covers
+        (-1: no checkpoint): what a worker's memo of the session needs, in one round trip."""
+        row = await self.pool.fetchrow(SQL_LIVE_ITEMS, session_id, after_seq)
+        assert row is not None
+        return int(row["covers_to_seq"]), [LoggedItem(**i) for i in row["items"]]
 
     # ------------------------------------------------------------ content-addressed content
     async def put_artifact(self, session_id: str, content: str, *, trust: str, media_type: str = "text/plain") -> str:
@@ -620,10 +677,14 @@ class Store:
         body: list[dict[str, Any]],
         base: str | None = None,
         keep: int = 0,
-    ) -> list[EpochPrefix]:
-        """`put_request` and `record_request` in one round trip; returns the epoch's distinct prefix hashes."""
+        append: Sequence[dict[str, Any]] = (),
+        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
+    ) -> tuple[list[EpochPrefix], list[int]]:
+        """The request's body and record, and `append` (the turn's message, when it is logged with the request),
+        in one round trip. Returns the epoch's distinct prefix hashes and the appended items' seqs (as
+        `append_items` does)."""
         stored: Any = {"base": base, "keep": keep, "tail": body} if base else body
-        rows = await self.pool.fetch(
+        row = await self._positioned(
             SQL_STORE_REQUEST,
             session_id,
             turn,
@@ -636,8 +697,9 @@ class Store:
             plan,
             inputs,
             stored,
+            _entries(append, renders),
         )
-        return _all(EpochPrefix, rows)
+        return [EpochPrefix(**p) for p in row["prefixes"]], _appended(row, append)
 
     async def get_record(self, session_id: str, turn: int, call_index: int) -> RequestRecord | None:
         row = await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)
@@ -684,10 +746,15 @@ class Store:
         event_type: str,
         epoch: int,
         payload: dict[str, Any],
-    ) -> tuple[bool, bool]:
-        """Usage, calibration and the reconciliation event in one round trip: (usage recorded now, event added
-        now). Usage already recorded by an earlier attempt stays (the first attempt's figures win)."""
-        row = await self.pool.fetchrow(
+        append: Sequence[dict[str, Any]] = (),
+        group_prefix: str | None = None,
+        group_after_seq: int = -1,
+        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
+    ) -> tuple[bool, bool, list[int]]:
+        """Usage, calibration, the reconciliation event and the reply's items (`append`, one group, as
+        `append_items` logs them) in one round trip: (usage recorded now, event added now, the items' seqs).
+        Usage already recorded by an earlier attempt stays (the first attempt's figures win)."""
+        row = await self._positioned(
             SQL_RECORD_OUTCOME,
             session_id,
             turn,
@@ -702,9 +769,11 @@ class Store:
             event_type,
             epoch,
             payload,
+            _entries(append, renders),
+            group_prefix,
+            group_after_seq,
         )
-        assert row is not None
-        return bool(row["usage_recorded"]), bool(row["event_added"])
+        return bool(row["usage_recorded"]), bool(row["event_added"]), _appended(row, append)
 
     async def record_wire_prefix(
         self, session_id: str, turn: int, call_index: int, *, epoch: int, sha256: str, text: str
@@ -873,6 +942,26 @@ class Store:
     async def latest_checkpoint(self, session_id: str) -> dict[str, Any] | None:
         row = await self.pool.fetchval(SQL_LATEST_CHECKPOINT, session_id)
         return dict(row) if row is not None else None
+
+
+def _entries(
+    items: Sequence[dict[str, Any]], renders: Sequence[tuple[str, dict[str, int]]] | None
+) -> list[dict[str, Any]]:
+    """Items to append, each with its render and counts when given (the `input` of `_append_ctes`)."""
+    if renders is not None and len(renders) != len(items):
+        raise ValueError(f"{len(renders)} renders for {len(items)} items")
+    if not renders:
+        return [{"item": item} for item in items]
+    pairs = zip(items, renders, strict=True)
+    return [{"item": item, "rendered": text, "tokens": tokens} for item, (text, tokens) in pairs]
+
+
+def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[int]:
+    """The seqs of `items` after an append (`APPENDED`): none when their group was already logged."""
+    if row["logged"]:
+        return []
+    seqs = {**row["existing"], **row["inserted"]}
+    return [seqs[item["id"]] for item in items if item["id"] in seqs]
 
 
 def _claim(row: Mapping[str, Any], *, owned: bool) -> SessionClaim:

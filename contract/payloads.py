@@ -74,6 +74,10 @@ class _Input(BaseModel):
         return value
 
 
+# Validation context of an input read back from the store: it was validated in full when it was written.
+STORED: dict[str, bool] = {"stored": True}
+
+
 class ToolSpec(_Input):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str = Field(max_length=4_000)
@@ -84,8 +88,11 @@ class ToolSpec(_Input):
 
     @field_validator("input_schema", mode="after")
     @classmethod
-    def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        """A broken schema is refused at open, not at the first call (when the model already relies on it)."""
+    def _valid_schema(cls, schema: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """A broken schema is refused at open, not at the first call (when the model already relies on it). An
+        open read back from the store (`STORED`) was checked when it was opened: not again on every worker."""
+        if info.context is STORED:
+            return schema
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:

@@ -158,6 +158,8 @@ class HistoryScan:
         self.truncatable: list[int] = []
         self.raw_total = 0
         self.results_raw = 0
+        self.pointers = 0  # segments that are typed pointers
+        self.tainted = 0  # segments that taint the view
         self.pairs = PairState()
 
     def extend(self, older: list[HistoryItem], cache: RenderCache, estimator: TokenEstimator) -> HistoryScan:
@@ -169,6 +171,8 @@ class HistoryScan:
         scan.truncatable = list(self.truncatable)
         scan.raw_total = self.raw_total
         scan.results_raw = self.results_raw
+        scan.pointers = self.pointers
+        scan.tainted = self.tainted
         new_segs: list[Segment] = []
         for index in range(start, len(older)):
             h = older[index]
@@ -177,6 +181,8 @@ class HistoryScan:
             new_segs.append(seg)
             scan.raws.append(raw)
             scan.raw_total += raw
+            scan.pointers += seg.kind == _POINTER
+            scan.tainted += seg.taints
             if type(h) is ToolResult:
                 scan.results_raw += raw
                 scan.truncatable.append(index)
@@ -198,6 +204,7 @@ class RenderCache:
         self._checkpoints: list[Any] = []
         self._scan: HistoryScan | None = None
         self._ordered: tuple[list[HistoryItem], list[int]] = ([], [])
+        self._visible: tuple[Sequence[HistoryItem], Checkpoint | None, list[HistoryItem]] = ((), None, [])
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -235,6 +242,31 @@ class RenderCache:
         self._chain = body
         return str(digest.hexdigest())
 
+    def forget(self, item_ids: set[str]) -> None:
+        """Drop the memo of items no build will show again (covered by a checkpoint): memory stays bounded."""
+        for item_id in item_ids:
+            self._entries.pop(item_id, None)
+            self._pointers.pop(item_id, None)
+
+    def visible_history(self, history: Sequence[HistoryItem], checkpoint: Checkpoint | None) -> list[HistoryItem]:
+        """`apply_checkpoint(history, checkpoint)`, extending the last call's result when `history` extends the
+        last call's and the checkpoint is the same: the work is the new items, and the summary item is the same
+        object, so the scans below see an unchanged prefix."""
+        prev_in, prev_cp, prev_out = self._visible
+        n = len(prev_in)
+        if (
+            n
+            and n <= len(history)
+            and (prev_cp is checkpoint or prev_cp == checkpoint)
+            and all(map(operator.is_, history[:n], prev_in))
+        ):
+            covers = checkpoint.covers_to_seq if checkpoint is not None else -1
+            out = prev_out + [item for item in history[n:] if item.seq > covers]
+        else:
+            out = apply_checkpoint(history, checkpoint)
+        self._visible = (history, checkpoint, out)
+        return out
+
     def ordered_history(self, history: list[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:
         """`history` sorted by log position, and the positions; reuses the last call's work for its prefix."""
         prev, prev_seqs = self._ordered
@@ -265,6 +297,8 @@ class RenderCache:
         if entry is not None and (entry[0] is item or entry[0] == item):
             return entry[1]
         text = render_item(item, self.secret)
+        if type(item) is TurnContext:  # a new one per request (its id names the call): not worth a memo entry
+            return _segment_of(item, text, estimator.count(text))
         return self.adopt(item, text, estimator.count(text))
 
     def adopt(self, item: Item, text: str, raw_tokens: int) -> Segment:
@@ -272,20 +306,24 @@ class RenderCache:
         cache's counter) instead of rendering and counting it again: a cold worker's build reads, not renders.
         Renders are deterministic (the nonce comes from the secret and the item id), so the two are the same
         bytes; the determinism gate re-renders stored items to check it."""
-        seg = Segment.model_construct(
-            item_id=item.id,
-            kind=item.kind,
-            region=type(item).region,
-            budget_class=type(item).budget_class,
-            role=type(item).role,
-            trust=item.trust,
-            text=text,
-            raw_tokens=raw_tokens,
-            call_id=getattr(item, "call_id", None),
-            taints=item.taints_view(),
-        )
+        seg = _segment_of(item, text, raw_tokens)
         self._entries[item.id] = (item, seg)
         return seg
+
+
+def _segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
+    return Segment.model_construct(
+        item_id=item.id,
+        kind=item.kind,
+        region=type(item).region,
+        budget_class=type(item).budget_class,
+        role=type(item).role,
+        trust=item.trust,
+        text=text,
+        raw_tokens=raw_tokens,
+        call_id=getattr(item, "call_id", None),
+        taints=item.taints_view(),
+    )
 
 
 def open_prefix(
@@ -340,6 +378,7 @@ def open_prefix(
 
 _seq = attrgetter("seq")
 _HASH_CHECKPOINT_EVERY = 64
+_POINTER = "elided_span"
 POINTER_BATCH = 8
 
 
@@ -369,7 +408,7 @@ def build(
     def est(seg: Segment) -> float:
         return (seg.raw_tokens + per_msg) * unit
 
-    history, seqs = cache.ordered_history(apply_checkpoint(body.history, body.checkpoint))
+    history, seqs = cache.ordered_history(cache.visible_history(body.history, body.checkpoint))
     split = bisect.bisect_left(seqs, body.turn_start_seq)
     older, active = history[:split], history[split:]
 
@@ -425,6 +464,8 @@ def build(
     truncatable = scan.truncatable
     older_raw_total = scan.raw_total
     results_raw = scan.results_raw
+    older_pointers = scan.pointers
+    older_tainted = scan.tainted
     older_n = len(older_segs)
     active_results = sum(est(s) for h, s in fixed if isinstance(h, ToolResult))
     results_cap = budget.tool_results_cap(available)
@@ -437,7 +478,7 @@ def build(
         return (results_raw + len(truncatable) * per_msg) * unit + active_results
 
     def truncate_until(limit_ok: Callable[[], bool], reason: str) -> None:
-        nonlocal cursor, results_raw, older_raw_total
+        nonlocal cursor, results_raw, older_raw_total, older_pointers, older_tainted
         freed_ids: list[str] = []
         freed = 0
         # Pointers come in batches: each conversion rewrites the history from that result on, so converting
@@ -451,6 +492,8 @@ def build(
             delta = older_raw[index] - pseg.raw_tokens
             if delta <= 0:
                 continue  # a pointer no smaller than its result would destroy content for nothing
+            older_pointers += 1
+            older_tainted += pseg.taints - older_segs[index].taints
             older_segs[index] = pseg
             older_raw[index] = pseg.raw_tokens
             older_raw_total -= delta
@@ -528,6 +571,8 @@ def build(
                 break
             if isinstance(h, ElidedSpan) and h.call_id is None:
                 dropped_pointers.add(index)
+                older_pointers -= 1
+                older_tainted -= older_segs[index].taints
                 dropped_ids.append(h.id)
                 freed_cp += older_raw[index]
                 older_raw_total -= older_raw[index]
@@ -595,7 +640,10 @@ def build(
         body_tokens=body_tokens,
         tokens_by_class=tokens_by_class,
         yields=yields,
-        untrusted_in_view=any(s.taints for s in body_segments),
+        untrusted_in_view=older_tainted > 0 or any(s.taints for s in tail),
+        pointers=older_pointers
+        + sum(s.kind == _POINTER for s in tail)
+        + sum(s.kind == _POINTER for s in prefix.segments),
     )
 
 

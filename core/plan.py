@@ -89,6 +89,7 @@ class ContextPlan(BaseModel):
     tokens_by_class: dict[str, int]
     yields: list[YieldApplied]
     untrusted_in_view: bool = False
+    pointers: int = 0  # segments that are typed pointers (elided spans), counted by the builder as it goes
 
     @property
     def body_text(self) -> str:
@@ -114,6 +115,6 @@ class ContextPlan(BaseModel):
             tokens_by_class=self.tokens_by_class,
             yields=self.yields,
             segments=len(self.segments),
-            pointers=sum(1 for s in self.segments if s.kind == "elided_span"),
+            pointers=self.pointers,
             untrusted_in_view=self.untrusted_in_view,
         )

@@ -37,6 +37,7 @@ class TimestampedPrefixBuild(BuildActivities):
         user_item_id: str | None,
         *,
         reads: TurnReads,
+        message: list[dict[str, Any]],
     ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
         row = await self.state.store.get_prefix(inp.session_id, inp.epoch)
         assert row is not None
@@ -44,7 +45,9 @@ class TimestampedPrefixBuild(BuildActivities):
         stamped = inputs.model_copy(update={"platform_policy": f"{inputs.platform_policy}\nRendered at {inp.now_iso}."})
         budget = open_.context_budget(estimator.profile)
         prefix = open_prefix(stamped, budget=budget, estimator=estimator, secret=secret)
-        return await super()._plan(inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads)
+        return await super()._plan(
+            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
+        )
 
 
 class PrefixTimestampFault(SessionActivities):

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import Any, ClassVar
 
 import pytest
 from temporalio.client import Client
 
+from activities.providers import build_providers
+from activities.session import SessionActivities
 from activities.store import ForeignReferenceError, Store
 from activities.tools import marker
 from contract import names
 from contract.payloads import SessionState
+from core.items import parse_history_item
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -104,6 +108,50 @@ async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str,
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.metrics.compactions >= 1
         assert len({r.prefix_sha256 for r in await store.records(handle.id)}) == 1
+
+
+class _Observed(SessionActivities):
+    """The worker's activities, kept where the test can read the worker's per-session memo."""
+
+    last: ClassVar[_Observed | None] = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _Observed.last = self
+
+
+async def test_memo_holds_what_the_checkpoint_does_not_cover(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """After a compaction the worker's memo drops the items the checkpoint covers (bounded memory), and a worker
+    that has not seen the session reads only the items after it (a cold read costs the window, not the log)."""
+    async with stack(temporal_client, pg_dsn, task_queue, activities_class=_Observed) as store:
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+        for i in range(14):
+            await turn(handle, f"message {i}: " + "context " * 120)
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.metrics.compactions >= 1
+        await turn(handle, "one more after the compaction")
+        checkpoint = await store.latest_checkpoint(handle.id)
+        assert checkpoint is not None
+        covers = int(checkpoint["covers_to_seq"])
+        logged = await store.load_items(handle.id)
+        assert logged[0].seq <= covers < logged[-1].seq
+
+        assert _Observed.last is not None
+        memo = _Observed.last.state.cached(handle.id)
+        assert memo is not None and memo.floor == covers
+        assert memo.items and all(item.seq > covers for item in memo.items)
+        covered = {row.payload["id"] for row in logged if row.seq <= covers}
+        assert not covered & set(memo.by_id) and not covered & set(memo.stored)
+        for render in memo.renders.values():
+            assert all(render.lookup(item) is None for item in (parse_history_item(r.payload) for r in logged[:3]))
+
+        cold = SessionActivities(store, build_providers()).state
+        _, _, fresh = await cold.session(handle.id)
+        items = await cold.items(handle.id, fresh)
+        assert [i.seq for i in items] == [row.seq for row in logged if row.seq > covers]
+        assert fresh.floor == covers
 
 
 async def test_failed_compaction_does_not_poison_later_ones(

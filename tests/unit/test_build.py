@@ -9,10 +9,13 @@ from hypothesis import strategies as st
 
 from core.budget import ContextBudget
 from core.build import BodyInputs, RenderCache, build
+from core.compaction import Checkpoint, apply_checkpoint
 from core.items import (
     CorrectionLine,
     CurrentUserMessage,
+    ElidedSpan,
     RecallItem,
+    TrustLevel,
     TurnContext,
     UserMessage,
     WorkingStateBlock,
@@ -143,7 +146,12 @@ class TestPlan:
 class TestWarmCache:
     @given(
         steps=st.lists(
-            st.tuples(st.sampled_from(["append", "replace", "drop_last", "shuffle", "window"]), st.integers(0, 50)),
+            st.tuples(
+                st.sampled_from(
+                    ["append", "replace", "drop_last", "shuffle", "window", "checkpoint", "same_checkpoint"]
+                ),
+                st.integers(0, 50),
+            ),
             min_size=1,
             max_size=8,
         )
@@ -156,6 +164,7 @@ class TestWarmCache:
         hist = f.history(12)
         cache = RenderCache(f.SECRET)
         window = 100_000
+        checkpoint: Checkpoint | None = None
         for op, n in steps:
             if op == "append":
                 seq = hist[-1].seq + 1 if hist else 0
@@ -171,10 +180,49 @@ class TestWarmCache:
                 random.Random(n).shuffle(hist)
             elif op == "window":
                 window = 3_000 + n * 100
+            elif op == "checkpoint" and hist:
+                # A checkpoint over the log's first items, with a pointer to an untrusted one: what the build
+                # shows from here is the summary, the pointers and the rest.
+                ordered = sorted(hist, key=lambda h: h.seq)
+                k = 1 + n % len(ordered)
+                while k < len(ordered) and ordered[k].kind == "tool_result":  # a pair is never split
+                    k += 1
+                covered = ordered[:k]
+                checkpoint = Checkpoint(
+                    checkpoint_id=f"cp{n}",
+                    depth=1,
+                    covers_from_seq=covered[0].seq,
+                    covers_to_seq=covered[-1].seq,
+                    summary=f"summary {n}",
+                    pointers=[
+                        ElidedSpan(
+                            id=f"cp{n}.p0",
+                            trust=TrustLevel.TOOL,
+                            seq=covered[0].seq,
+                            original_id=covered[0].id,
+                            original_tokens=40,
+                            reference=f"item:{covered[0].id}",
+                            reason="compaction_elided",
+                        )
+                    ],
+                )
+            elif op == "same_checkpoint" and checkpoint is not None:
+                checkpoint = checkpoint.model_copy()  # equal, not identical: as each build reads it again
             seq = max((h.seq for h in hist), default=-1) + 1
-            body = BodyInputs(history=hist, turn_start_seq=seq, current=CurrentUserMessage(id="c", seq=seq, text="q"))
+            body = BodyInputs(
+                history=hist,
+                checkpoint=checkpoint,
+                turn_start_seq=seq,
+                current=CurrentUserMessage(id="c", seq=seq, text="q"),
+            )
             budget = ContextBudget(context_window=window, output_reserve=500)
             warm = build(PREFIX, body, budget=budget, estimator=f.estimator(), secret=f.SECRET, cache=cache)
             cold = build(PREFIX, body, budget=budget, estimator=f.estimator(), secret=f.SECRET)
             assert warm.model_dump() == cold.model_dump()
             assert warm.request_sha256 == hashlib.sha256(warm.text.encode()).hexdigest()
+            # The counts the builder keeps as it goes are the counts of what it sent.
+            body_segments = warm.segments[len(PREFIX.segments) :]
+            assert warm.pointers == sum(s.kind == "elided_span" for s in warm.segments)
+            assert warm.untrusted_in_view == any(s.taints for s in body_segments)
+            shown = {h.id for h in apply_checkpoint(hist, checkpoint)}
+            assert {s.item_id for s in body_segments} >= {i for i in shown if not warm.yields}
