@@ -43,7 +43,9 @@ class ModelCallActivities(ModelCalls):
         """Send the stored request through the provider port, append the reply, record usage, reconcile."""
         state, store = self.state, self.state.store
         # One read: the session, the request's record, the log since this worker's memo, the calibrations.
-        open_, cache, reads = await state.call_reads(inp.session_id, inp.turn, inp.call_index, inp.epoch)
+        open_, cache, reads = await state.call_reads(
+            inp.session_id, inp.turn, inp.call_index, inp.epoch, inp.request_sha256
+        )
         record = reads.record
         if record is None or record.request_sha256 != inp.request_sha256:
             raise ApplicationError(
@@ -67,9 +69,12 @@ class ModelCallActivities(ModelCalls):
         built = cache.built.get(inp.request_sha256)
         if built is not None:  # built on this worker: no need to read the request back
             segments = cache.provider_segments(built)
-        else:
-            stored = await store.get_request(inp.request_sha256)
-            assert stored is not None
+        else:  # built on another worker: its body came with the read
+            stored = reads.request or await store.get_request(inp.request_sha256)
+            if stored is None:
+                raise ApplicationError(
+                    f"no stored body for request {inp.request_sha256}", type="UnknownRequest", non_retryable=True
+                )
             segments = [cache.provider_of(s) for s in prefix.segments]
             segments += [provider_segment(s) for s in stored.body]
         provider = state.providers.get(epoch_profile.provider)

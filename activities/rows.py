@@ -179,10 +179,13 @@ class TurnReads:
 @dataclass(frozen=True, slots=True)
 class CallReads:
     """Everything a model call reads, in one round trip (`Store.call_reads`): the session, the request's record,
-    the log after the worker's memo and the route's calibrations."""
+    the log after the worker's memo (and after the latest checkpoint, the last position it covers: -1 for none),
+    the route's calibrations and, for a worker that did not build it, the request's body."""
 
     session: StoredSession
     record: RequestRecord | None
     items: list[LoggedItem]
+    covers_to_seq: int
     calibration: float | None
     provider_calibration: float | None
+    request: StoredRequest | None = None

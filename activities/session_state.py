@@ -271,12 +271,19 @@ class SessionState:
         return open_, secret, cache, reads
 
     async def call_reads(
-        self, session_id: str, turn: int, call_index: int, epoch: int
+        self, session_id: str, turn: int, call_index: int, epoch: int, request_sha256: str
     ) -> tuple[SessionOpen, SessionCache, CallReads]:
-        """What a model call reads, in one round trip, with the session's memo brought up to date from it."""
+        """What a model call reads, in one round trip, with the session's memo brought up to date from it; the
+        request's body too when this worker did not build it."""
         before = self.cached(session_id)
+        built_here = before is not None and request_sha256 in before.built
         reads = await self.store.call_reads(
-            session_id, turn, call_index, after_seq=before.max_seq if before is not None else -1, epoch=epoch
+            session_id,
+            turn,
+            call_index,
+            after_seq=before.max_seq if before is not None else -1,
+            epoch=epoch,
+            request=None if built_here else request_sha256,
         )
         if reads is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
@@ -286,6 +293,7 @@ class SessionState:
         else:
             for row in reads.items:
                 cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
+            cache.prune(reads.covers_to_seq)
         return open_, cache, reads
 
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
@@ -390,14 +398,6 @@ def snapshot_ids(prefix: FrozenPrefix) -> list[str]:
 
 
 def provider_segment(data: dict[str, Any]) -> ProviderSegment:
-    """A stored segment (its JSON) in the provider port's form."""
-    return ProviderSegment.model_construct(
-        raw_tokens=data.get("raw_tokens", 0),
-        role=data["role"],
-        kind=data["kind"],
-        trust=data["trust"],
-        region=data["region"],
-        text=data["text"],
-        item_id=data["item_id"],
-        call_id=data.get("call_id"),
-    )
+    """A stored segment (its JSON) in the provider port's form (the fields the port has; pydantic-core drops the
+    others)."""
+    return ProviderSegment.model_validate(data)

@@ -63,8 +63,8 @@ SELECT seq, turn, payload, rendered, tokens FROM items WHERE session_id = $1 AND
 SQL_LIVE_ITEMS = (
     """
 SELECT cp.covers_to_seq,
-  (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
-                                                'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+  (SELECT coalesce(json_agg(json_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
+                                              'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
      FROM items i WHERE i.session_id = $1 AND i.seq > greatest($2, cp.covers_to_seq)) AS items
 FROM ("""
     + LATEST_CHECKPOINT
@@ -147,15 +147,22 @@ ON CONFLICT (session_id, epoch) DO NOTHING"""
 SQL_GET_PREFIX = "SELECT sha256, reason, profile, prefix, inputs FROM prefixes WHERE session_id = $1 AND epoch = $2"
 SQL_GET_CHECKPOINT = "SELECT checkpoint FROM checkpoints WHERE session_id = $1 AND checkpoint_id = $2"
 # A request and the bases its delta body links to, nearest first, in one round trip (at most $2 of them).
-SQL_REQUEST_CHAIN = """
-WITH RECURSIVE chain AS (
-    SELECT sha256, prefix_sha256, body, 1 AS depth FROM rendered_requests WHERE sha256 = $1
+
+
+def _chain_cte(sha: str, limit: str) -> str:
+    """The CTE `chain`: request `sha` and the bases its delta body links to, nearest first (at most `limit`)."""
+    return f"""chain AS (
+    SELECT sha256, prefix_sha256, body, 1 AS depth FROM rendered_requests WHERE sha256 = {sha}
     UNION ALL
     SELECT r.sha256, r.prefix_sha256, r.body, chain.depth + 1 FROM chain
     JOIN rendered_requests r ON jsonb_typeof(chain.body) = 'object' AND r.sha256 = chain.body->>'base'
-    WHERE chain.depth < $2
+    WHERE chain.depth < {limit}
+)"""
+
+
+SQL_REQUEST_CHAIN = (
+    "WITH RECURSIVE " + _chain_cte("$1", "$2") + "\nSELECT prefix_sha256, body FROM chain ORDER BY depth"
 )
-SELECT prefix_sha256, body FROM chain ORDER BY depth"""
 # A built request in one round trip: its body (content-addressed), its record, the turn's message when it is
 # logged with it ($12: append entries, possibly none), and the distinct prefix hashes of its epoch with this
 # request's counted (first seen first).
@@ -238,8 +245,8 @@ VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO N
 # $4 whether to return the prefix row, $5 the recall query (NULL: none), $6 the recall limit.
 SQL_TURN_READS = """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
-  (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
-                                                'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+  (SELECT coalesce(json_agg(json_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
+                                              'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
      FROM items i WHERE i.session_id = $1 AND i.seq > greatest($2, cp.covers_to_seq)) AS items,
   p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
   CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
@@ -273,20 +280,33 @@ LEFT JOIN LATERAL (
 ) snap ON true
 WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT)
 # The model call's reads in one round trip (Store.call_reads): $1 session, $2 turn, $3 call index, $4 log position
-# already memoised, $5 epoch.
-SQL_CALL_READS = """
+# already memoised, $5 epoch, $6 the request whose body to read (NULL: this worker built it), $7 the chain limit.
+SQL_CALL_READS = (
+    """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT to_jsonb(r) FROM request_records r WHERE r.session_id = $1 AND r.turn = $2 AND r.call_index = $3)
     AS record,
-  (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
-                                                'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
-     FROM items i WHERE i.session_id = $1 AND i.seq > $4) AS items,
+  (SELECT coalesce(json_agg(json_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
+                                              'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+     FROM items i WHERE i.session_id = $1 AND i.seq > greatest($4, cp.covers_to_seq)) AS items,
+  cp.covers_to_seq,
   (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
     AS calibration,
   (SELECT max(calibration) FROM calibrations WHERE route LIKE (p.profile->>'provider') || '/%')
-    AS provider_calibration
-FROM sessions s LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $5
+    AS provider_calibration,
+  CASE WHEN $6::text IS NOT NULL THEN (
+    WITH RECURSIVE """
+    + _chain_cte("$6::text", "$7")
+    + """
+    SELECT json_agg(json_build_object('prefix_sha256', prefix_sha256, 'body', body) ORDER BY depth) FROM chain
+  ) END AS chain
+FROM sessions s
+LEFT JOIN LATERAL ("""
+    + LATEST_CHECKPOINT
+    + """) cp ON true
+LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $5
 WHERE s.session_id = $1"""
+)
 # A model call's outcome in one round trip: its usage (the first attempt's figures win), the estimator's
 # reconciliation (a higher observed ratio adopted at once, a lower one relaxed towards, in one statement, so
 # concurrent sessions on a route never lose an upward move), its event (stored once, by key) and the reply's
@@ -415,6 +435,16 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(name, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+class _StoreConnection(asyncpg.Connection):  # type: ignore[misc]
+    """A connection of the store's pool. The store keeps no session state on a connection (no SET, LISTEN,
+    cursor or session-level advisory lock outlives a call), so a connection goes back to the pool without
+    asyncpg's reset query (`get_reset_query`): one round trip less for every use. asyncpg still ends a
+    transaction left open."""
+
+    def get_reset_query(self) -> str:
+        return ""
+
+
 class Store:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
@@ -422,7 +452,9 @@ class Store:
     @classmethod
     @asynccontextmanager
     async def from_dsn(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> AsyncIterator[Store]:
-        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection)
+        pool = await asyncpg.create_pool(
+            dsn, min_size=min_size, max_size=max_size, init=_init_connection, connection_class=_StoreConnection
+        )
         try:
             yield cls(pool)
         finally:
@@ -644,21 +676,7 @@ class Store:
 
     async def get_request(self, sha: str) -> StoredRequest | None:
         """The request with its body whole, following delta links (at most MAX_DELTA_CHAIN), in one round trip."""
-        rows = await self.pool.fetch(SQL_REQUEST_CHAIN, sha, MAX_DELTA_CHAIN + 1)
-        if not rows:
-            return None
-        links: list[dict[str, Any]] = []
-        body: Any = rows[0]["body"]
-        for row in rows[1:]:
-            if not isinstance(body, dict):
-                break
-            links.append(body)
-            body = row["body"]
-        if isinstance(body, dict):
-            raise LookupError(f"request {sha} refers to a missing base {body['base']}")
-        for link in reversed(links):
-            body = body[: link["keep"]] + link["tail"]
-        return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
+        return _whole(sha, await self.pool.fetch(SQL_REQUEST_CHAIN, sha, MAX_DELTA_CHAIN + 1))
 
     # ------------------------------------------------------------ request records
     async def store_request(
@@ -709,10 +727,13 @@ class Store:
         return _all(RequestRecord, await self.pool.fetch(SQL_RECORDS, session_id))
 
     async def call_reads(
-        self, session_id: str, turn: int, call_index: int, *, after_seq: int, epoch: int
+        self, session_id: str, turn: int, call_index: int, *, after_seq: int, epoch: int, request: str | None = None
     ) -> CallReads | None:
-        """What a model call reads, in one round trip (SQL_CALL_READS); None for an unknown session."""
-        row = await self.pool.fetchrow(SQL_CALL_READS, session_id, turn, call_index, after_seq, epoch)
+        """What a model call reads, in one round trip (SQL_CALL_READS); None for an unknown session. `request`: the
+        request whose body to read whole too (a worker that did not build it)."""
+        row = await self.pool.fetchrow(
+            SQL_CALL_READS, session_id, turn, call_index, after_seq, epoch, request, MAX_DELTA_CHAIN + 1
+        )
         if row is None:
             return None
         record = None
@@ -724,10 +745,12 @@ class Store:
             session=_row(StoredSession, row),
             record=record,
             items=[LoggedItem(**i) for i in row["items"]],
+            covers_to_seq=int(row["covers_to_seq"]),
             calibration=float(row["calibration"]) if row["calibration"] is not None else None,
             provider_calibration=float(row["provider_calibration"])
             if row["provider_calibration"] is not None
             else None,
+            request=_whole(request, row["chain"] or []) if request is not None else None,
         )
 
     async def record_outcome(
@@ -962,6 +985,24 @@ def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[i
         return []
     seqs = {**row["existing"], **row["inserted"]}
     return [seqs[item["id"]] for item in items if item["id"] in seqs]
+
+
+def _whole(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
+    """A request's body whole, from its chain (`_chain_cte`, nearest first): the base and each delta on top."""
+    if not rows:
+        return None
+    links: list[dict[str, Any]] = []
+    body: Any = rows[0]["body"]
+    for row in rows[1:]:
+        if not isinstance(body, dict):
+            break
+        links.append(body)
+        body = row["body"]
+    if isinstance(body, dict):
+        raise LookupError(f"request {sha} refers to a missing base {body['base']}")
+    for link in reversed(links):
+        body = body[: link["keep"]] + link["tail"]
+    return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
 
 
 def _claim(row: Mapping[str, Any], *, owned: bool) -> SessionClaim:

@@ -312,7 +312,7 @@ class RenderCache:
 
 
 def _segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
-    return Segment.model_construct(
+    return Segment(  # validated: pydantic-core builds it faster than model_construct does
         item_id=item.id,
         kind=item.kind,
         region=type(item).region,
@@ -321,7 +321,8 @@ def _segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
         trust=item.trust,
         text=text,
         raw_tokens=raw_tokens,
-        call_id=getattr(item, "call_id", None),
+        # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
+        call_id=item.call_id if "call_id" in type(item).model_fields else None,  # type: ignore[attr-defined]
         taints=item.taints_view(),
     )
 
