@@ -26,6 +26,7 @@ from core.compaction import (
     Checkpoint,
     CompactionDecision,
     CompactionPlan,
+    SummaryChunk,
     escalation_checkpoint,
     plan_compaction,
 )
@@ -108,11 +109,14 @@ class CompactionActivities(CompactionActivityCalls):
         existing = await self.store.get_summary(inp.session_id, inp.checkpoint_id, inp.chunk_index)
         if existing is not None:
             return len(existing)
-        plan_json = await self.store.get_compaction_plan(inp.session_id, inp.checkpoint_id)
-        if plan_json is None:
-            raise ApplicationError(f"no compaction plan {inp.checkpoint_id}", type="UnknownPlan", non_retryable=True)
-        plan = CompactionPlan.model_validate(plan_json)
-        chunk = plan.chunks[inp.chunk_index]
+        stored_chunk = await self.store.get_compaction_chunk(inp.session_id, inp.checkpoint_id, inp.chunk_index)
+        if stored_chunk is None:
+            raise ApplicationError(
+                f"no chunk {inp.chunk_index} in compaction plan {inp.checkpoint_id}",
+                type="UnknownPlan",
+                non_retryable=True,
+            )
+        chunk, summary_tokens = SummaryChunk.model_validate(stored_chunk[0]), stored_chunk[1]
         _, (cache, _, _) = await self._context(inp.session_id)
         _, profile = await self.state.prefix(inp.session_id, inp.epoch, cache)  # this epoch's route
         provider = self.state.providers.get(profile.provider)
@@ -127,7 +131,7 @@ class CompactionActivities(CompactionActivityCalls):
                 session_id=inp.session_id,
                 model=profile.model,
                 text=chunk.text,
-                max_tokens=min(SUMMARY_MAX_TOKENS, plan.summary_tokens_per_chunk),
+                max_tokens=min(SUMMARY_MAX_TOKENS, summary_tokens),
             )
         )
         stored = await self.store.put_summary(

@@ -122,6 +122,10 @@ SQL_PUT_COMPACTION_PLAN = """
 INSERT INTO compaction_plans (session_id, checkpoint_id, plan) VALUES ($1, $2, $3)
 ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
 SQL_GET_COMPACTION_PLAN = "SELECT plan FROM compaction_plans WHERE session_id = $1 AND checkpoint_id = $2"
+# One chunk of a stored plan and the summary size each chunk gets: a summarizer call reads its chunk, not the plan.
+SQL_GET_COMPACTION_CHUNK = """
+SELECT plan->'chunks'->($3::int) AS chunk, (plan->>'summary_tokens_per_chunk')::int AS summary_tokens
+FROM compaction_plans WHERE session_id = $1 AND checkpoint_id = $2"""
 SQL_PUT_SUMMARY = """
 INSERT INTO summarizer_calls (session_id, checkpoint_id, chunk_index, input, summary) VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (session_id, checkpoint_id, chunk_index) DO NOTHING"""
@@ -610,6 +614,16 @@ class Store:
         async with self.pool.acquire() as conn:
             await conn.execute(SQL_PUT_COMPACTION_PLAN, session_id, checkpoint_id, plan)
             return dict(await conn.fetchval(SQL_GET_COMPACTION_PLAN, session_id, checkpoint_id))
+
+    async def get_compaction_chunk(
+        self, session_id: str, checkpoint_id: str, index: int
+    ) -> tuple[dict[str, Any], int] | None:
+        """Chunk `index` of a stored compaction plan (JSON) and the summary tokens each chunk gets; None when the
+        plan or the chunk does not exist."""
+        row = await self.pool.fetchrow(SQL_GET_COMPACTION_CHUNK, session_id, checkpoint_id, index)
+        if row is None or row["chunk"] is None:
+            return None
+        return dict(row["chunk"]), int(row["summary_tokens"])
 
     async def get_compaction_plan(self, session_id: str, checkpoint_id: str) -> dict[str, Any] | None:
         value = await self.pool.fetchval(SQL_GET_COMPACTION_PLAN, session_id, checkpoint_id)

@@ -469,6 +469,9 @@ async def _measure(
     # (no affinity), so a build often runs on the worker that did not run the turn before: the cold path.
     one = _Bench(client, engine_queue=f"bench-one-{suffix}", floor_queue=bench.floor_queue, tag=bench.tag + "-one")
     two = _Bench(client, engine_queue=f"bench-two-{suffix}", floor_queue=bench.floor_queue, tag=bench.tag + "-two")
+    # And one alone without eager activities: what dispatching activities through the task queue costs by itself,
+    # apart from landing on a worker that did not see the session (an explanatory figure, not a target's).
+    lone = _Bench(client, engine_queue=f"bench-lone-{suffix}", floor_queue=bench.floor_queue, tag=bench.tag + "-lone")
     floor_worker = Worker(
         client,
         task_queue=bench.floor_queue,
@@ -486,6 +489,7 @@ async def _measure(
         running_worker(client, counted, task_queue=bench.engine_queue, max_cached_workflows=MAX_CACHED_WORKFLOWS),
         # Worker processes for the affinity comparison: one alone on a queue, two together on another.
         spawn(task_queue=one.engine_queue, name="one"),
+        spawn(task_queue=lone.engine_queue, name="one-no-eager", extra_env=NO_AFFINITY),
         spawn(task_queue=two.engine_queue, name="two-a", extra_env=NO_AFFINITY),
         spawn(task_queue=two.engine_queue, name="two-b", extra_env=NO_AFFINITY),
         floor_worker,
@@ -502,10 +506,11 @@ async def _measure(
 
             # Latency: one session each, interleaved turn by turn; the opening turn is not timed. Two more sessions
             # run on the worker processes (one alone, two without affinity), interleaved too.
-            tick = bars.task(f"latency ({turns} turns each)", 4 * turns)
+            tick = bars.task(f"latency ({turns} turns each)", 5 * turns)
             (engine_handle, engine), (floor_handle, floor) = await bench.engine("latency"), await bench.floor("latency")
             (_, engine_one), (two_handle, engine_two) = await one.engine("latency"), await two.engine("latency")
-            for first_turn in (floor, engine, engine_one, engine_two):
+            _, engine_lone = await lone.engine("latency")
+            for first_turn in (floor, engine, engine_one, engine_two, engine_lone):
                 await first_turn(_plain_text(0))
             two_mark = await _history_mark(client, two_handle)
             marks = {
@@ -517,12 +522,14 @@ async def _measure(
             floor_lat: list[float] = []
             one_lat: list[float] = []
             two_lat: list[float] = []
+            lone_lat: list[float] = []
             for i in range(1, turns + 1):
                 floor_lat.append(await _timed(floor, _plain_text(i)))
                 engine_lat.append(await _timed(engine, _plain_text(i)))
                 one_lat.append(await _timed(engine_one, _plain_text(i)))
                 two_lat.append(await _timed(engine_two, _plain_text(i)))
-                tick(4)
+                lone_lat.append(await _timed(engine_lone, _plain_text(i)))
+                tick(5)
             out["turns"] = turns
             out["engine_p50_ms"] = _ms(percentile(engine_lat, 50))
             out["engine_p95_ms"] = _ms(percentile(engine_lat, 95))
@@ -531,6 +538,7 @@ async def _measure(
             db_after = db.snapshot()
             out["one_worker_process_p50_ms"] = _ms(percentile(one_lat, 50))
             out["two_workers_p50_ms"] = _ms(percentile(two_lat, 50))
+            out["one_worker_process_no_eager_p50_ms"] = _ms(percentile(lone_lat, 50))
             identities, hop_share = await _activity_hops(client, two_handle, two_mark)
             out["two_workers_identities"] = identities
             out["two_workers_activity_hop_share"] = hop_share
@@ -553,6 +561,9 @@ async def _measure(
             ratios["p95_overhead_ratio"] = _ratio(out["engine_p95_ms"], out["floor_p95_ms"])
             ratios["two_workers_no_affinity_p50_ratio"] = _ratio(
                 out["two_workers_p50_ms"], out["one_worker_process_p50_ms"]
+            )
+            ratios["two_workers_vs_one_no_eager_p50_ratio"] = _ratio(
+                out["two_workers_p50_ms"], out["one_worker_process_no_eager_p50_ms"]
             )
 
             # Throughput: N concurrent sessions, floor then engine at each N, `throughput_rounds` times; the
@@ -629,7 +640,7 @@ async def _measure(
             out["worker_rss_growth_second_half_mb"] = round(rss[-1] - rss[len(rss) // 2], 1)
             ratios["long_session_growth_ratio"] = _ratio(last, first) if done else None
         finally:
-            for b in (bench, one, two):
+            for b in (bench, one, two, lone):
                 await b.terminate_all()
 
     # Cold builds: a fresh process builds a session it has never seen, of each size, read from PostgreSQL.

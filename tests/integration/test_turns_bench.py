@@ -88,6 +88,7 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     assert result["cold_build_p50_ms_60"] > 0 and result["cold_build_pg_round_trips_60"] > 0
     assert result["cold_build_rounds"] == 2
     assert result["two_workers_p50_ms"] > 0 and result["two_workers_no_affinity_p50_ratio"] > 0
+    assert result["one_worker_process_no_eager_p50_ms"] > 0 and result["two_workers_vs_one_no_eager_p50_ratio"] > 0
     # Ratios and verdicts come last.
     keys = list(result)
     assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
