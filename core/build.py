@@ -264,7 +264,7 @@ class RenderCache:
             out = prev_out + [item for item in history[n:] if item.seq > covers]
         else:
             out = apply_checkpoint(history, checkpoint)
-        self._visible = (history, checkpoint, out)
+        self._visible = (list(history), checkpoint, out)  # a copy: the caller may extend its list in place
         return out
 
     def ordered_history(self, history: list[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:

@@ -144,6 +144,18 @@ class TestPlan:
 
 
 class TestWarmCache:
+    def test_a_history_list_extended_in_place_is_read_again(self) -> None:
+        """A caller that appends to the list it passed before still gets the new items (the memo keeps a copy)."""
+        hist = list(f.history(4))
+        cache = RenderCache(f.SECRET)
+        seq = hist[-1].seq + 1
+        # model_construct, as the activities build it: the builder gets the caller's list itself, not a copy.
+        _build(BodyInputs.model_construct(history=hist, turn_start_seq=seq), cache)
+        hist.append(UserMessage(id="late", seq=seq, text="appended in place"))
+        warm = _build(BodyInputs.model_construct(history=hist, turn_start_seq=seq + 1), cache)
+        assert warm.model_dump() == _build(BodyInputs(history=hist, turn_start_seq=seq + 1)).model_dump()
+        assert "appended in place" in warm.text
+
     @given(
         steps=st.lists(
             st.tuples(
