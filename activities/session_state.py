@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
-from activities.rows import CallReads, StoredSession, TurnReads
+from activities.rows import CallReads, LoggedItem, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
@@ -90,6 +90,13 @@ class SessionCache:
         out = converted[:keep] + [self.provider_of(s) for s in segments[keep:]]
         self.last_provider = (segments, out)
         return out
+
+    def catch_up(self, rows: list[LoggedItem], covers_to_seq: int) -> None:
+        """The log rows read after what the memo holds join it; then what the latest checkpoint covers (up to
+        `covers_to_seq`, -1: no checkpoint) leaves it."""
+        for row in rows:
+            self.log(parse_history_item(row.payload), row.rendered, row.tokens)
+        self.prune(covers_to_seq)
 
     def prune(self, covers_to_seq: int) -> None:
         """Forget the logged items a checkpoint covers (up to `covers_to_seq`): no request shows them again (it
@@ -255,10 +262,8 @@ class SessionState:
             await self.items(session_id, cache)
             await self.prefix(session_id, epoch, cache)
         else:
-            for row in reads.items:
-                cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
-            if reads.checkpoint is not None:
-                cache.prune(int(reads.checkpoint["covers_to_seq"]))
+            covers = int(reads.checkpoint["covers_to_seq"]) if reads.checkpoint is not None else -1
+            cache.catch_up(reads.items, covers)
             if reads.prefix is not None:
                 cache.prefixes[epoch] = (
                     FrozenPrefix.model_validate(reads.prefix.prefix),
@@ -291,17 +296,13 @@ class SessionState:
         if cache is not before and before is not None:  # another session under the id: read it whole
             await self.items(session_id, cache)
         else:
-            for row in reads.items:
-                cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
-            cache.prune(reads.covers_to_seq)
+            cache.catch_up(reads.items, reads.covers_to_seq)
         return open_, cache, reads
 
     async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
         """The log the latest checkpoint does not cover, in log order: what any request can show."""
         covers_to_seq, rows = await self.store.load_live_items(session_id, cache.max_seq)
-        for row in rows:
-            cache.log(parse_history_item(row.payload), row.rendered, row.tokens)
-        cache.prune(covers_to_seq)
+        cache.catch_up(rows, covers_to_seq)
         return cache.items
 
     async def append(
