@@ -29,7 +29,7 @@ from contract import names
 from contract.activity_interfaces import BuildCalls
 from contract.events import EventType
 from contract.payloads import BuildInput, BuildResult, SessionOpen
-from core.build import BodyInputs, FrozenPrefix, build
+from core.build import BodyInputs, FrozenPrefix, build, counter_key
 from core.compaction import Checkpoint
 from core.errors import ContextError, TurnTooLargeError
 from core.estimator import TokenEstimator
@@ -84,7 +84,8 @@ class BuildActivities(BuildCalls):
         inputs = ri.model_dump(mode="json")
         body_segments = plan.segments[len(prefix.segments) :]
         base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
-        # One write: the request's body (as a delta of this worker's last one), its record and the turn's message.
+        # One write: the request's body (a delta of this worker's last one, logged items by reference), its record
+        # and the turn's message.
         renders = state.render_for_log(message, cache)
         hashes, seqs = await store.store_request(
             inp.session_id,
@@ -97,7 +98,8 @@ class BuildActivities(BuildCalls):
             raw_tokens=plan.raw_tokens,
             plan=plan.summary().model_dump(mode="json"),
             inputs=inputs,
-            body=[cache.json_of(s) for s in body_segments[keep:]],
+            body=cache.stored_body(body_segments[keep:], cache.render_for(estimator)),
+            counter=counter_key(estimator),
             base=base,
             keep=keep,
             append=message,

@@ -187,4 +187,10 @@ MIGRATIONS: tuple[str, ...] = (
     FROM request_records ORDER BY session_id, epoch, prefix_sha256, turn, call_index
     ON CONFLICT DO NOTHING;
     """,
+    # 6: each item's segment fields (all but its text and count) beside its render, so a stored request body
+    # refers to the items' renders ({"ref": item id}) instead of copying them: a worker that has not seen the
+    # session writes a few bytes per item, not the whole body (docs/operations.md, "Schema and migrations")
+    """
+    ALTER TABLE items ADD COLUMN IF NOT EXISTS segment jsonb;
+    """,
 )

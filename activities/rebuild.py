@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from activities.assembly import RequestInputs, body_inputs
+from activities.rows import RequestRecord
 from activities.store import Store
 from core.budget import ContextBudget
 from core.build import FrozenPrefix, PrefixInputs, RenderCache, build, counter_key, open_prefix
@@ -19,6 +20,7 @@ from core.compaction import Checkpoint
 from core.errors import ContextError
 from core.estimator import ModelProfile, TokenCounter, TokenEstimator
 from core.items import HistoryItem, parse_history_item
+from core.plan import ContextPlan
 
 
 class RebuiltRequest(BaseModel):
@@ -58,9 +60,15 @@ class Overrides(BaseModel):
 
 
 async def rebuild_session(
-    store: Store, session_id: str, counter_for: Callable[[str], TokenCounter], overrides: Overrides | None = None
+    store: Store,
+    session_id: str,
+    counter_for: Callable[[str], TokenCounter],
+    overrides: Overrides | None = None,
+    *,
+    observe: Callable[[RequestRecord, FrozenPrefix, ContextPlan], None] | None = None,
 ) -> list[RebuiltRequest]:
-    """Every recorded request of the session, rebuilt in order."""
+    """Every recorded request of the session, rebuilt in order. `observe`, when given, sees each record with the
+    prefix and the plan rebuilt for it (a gate compares what was stored with them)."""
     overrides = overrides or Overrides()
     session = await store.get_session(session_id)
     if session is None:
@@ -116,6 +124,8 @@ async def rebuild_session(
         except ContextError as exc:
             out.append(base.model_copy(update={"error": str(exc), "prefix_sha256": prefix.sha256}))
             continue
+        if observe is not None:
+            observe(rec, prefix, plan)
         out.append(
             base.model_copy(
                 update={

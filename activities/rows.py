@@ -38,6 +38,19 @@ class LoggedItem:
     payload: dict[str, Any]
     rendered: str | None = None  # the item's segment text, rendered when it was written (None: not stored)
     tokens: dict[str, int] | None = None  # its raw token count per counter key, counted when it was written
+    # Whether its segment's other fields were stored too (migration 6): a request body may then refer to it.
+    referable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRender:
+    """An item's render, stored with it when it is logged (render once, at write time): its segment text, its
+    raw token count per counter key, and its segment's other fields (a `Segment` without `text` and
+    `raw_tokens`), so a stored request body refers to the item instead of copying its segment."""
+
+    text: str
+    tokens: dict[str, int]
+    segment: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,9 @@ and registers.
 
 One family per concern: the session's life (`lifecycle.py`), the build (`build.py`), the model call
 (`model_call.py`), tool calls (`tool_calls.py`), runtime writes (`memory.py`) and events (`events.py`). Each
-family class is a slot of this aggregate, so the harness injects a fault by subclassing it and putting a
-subclass of one family in that family's slot (harness/faults.py); production code never does.
+family class is a slot of this aggregate, as is the state they share, so the harness injects a fault by
+subclassing it and putting a subclass of one family (or of the state) in that slot (harness/faults.py);
+production code never does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from activities.tools import Executor
 
 
 class SessionActivities:
+    state_class: ClassVar[type[SessionState]] = SessionState
     lifecycle_family: ClassVar[type[LifecycleActivities]] = LifecycleActivities
     build_family: ClassVar[type[BuildActivities]] = BuildActivities
     model_call_family: ClassVar[type[ModelCallActivities]] = ModelCallActivities
@@ -42,7 +44,7 @@ class SessionActivities:
         executors: Mapping[str, Executor] | None = None,
         scripted_by_default: bool = False,
     ) -> None:
-        self.state = SessionState(
+        self.state = self.state_class(
             store,
             providers,
             search_attributes=search_attributes,

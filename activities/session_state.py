@@ -18,12 +18,12 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
-from activities.rows import CallReads, LoggedItem, StoredSession, TurnReads
+from activities.rows import CallReads, ItemRender, LoggedItem, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
 from contract.payloads import STORED, SessionOpen
-from core.build import FrozenPrefix, RenderCache, counter_key
+from core.build import FrozenPrefix, RenderCache, counter_key, segment_of
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import render_item
 from core.items import HistoryItem, Region, ToolCall, ToolResult, UserMessage, parse_history_item
@@ -32,6 +32,7 @@ from core.working_state import WorkingState, WorkingStateWrite, fold
 
 log = structlog.get_logger("ctxengine.activities")
 _seq = operator.attrgetter("seq")
+_TEXT_AND_COUNT = {"text", "raw_tokens"}  # what a stored render holds beside its segment's other fields
 RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 
 
@@ -51,8 +52,9 @@ class SessionCache:
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, list[Segment]] = OrderedDict()
         self.last_body: tuple[str, str, list[Segment], int] | None = None
-        # Each logged item's render stored at write time, by item id: (the item, its text, its counts by counter).
-        self.stored: dict[str, tuple[HistoryItem, str, dict[str, int]]] = {}
+        # Each logged item's render stored at write time, by item id: (the item, its text, its counts by counter,
+        # whether its segment's other fields were stored too, so a request body may refer to it).
+        self.stored: dict[str, tuple[HistoryItem, str, dict[str, int], bool]] = {}
         # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
         self.by_id: dict[str, HistoryItem] = {}
         self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
@@ -95,7 +97,7 @@ class SessionCache:
         """The log rows read after what the memo holds join it; then what the latest checkpoint covers (up to
         `covers_to_seq`, -1: no checkpoint) leaves it."""
         for row in rows:
-            self.log(parse_history_item(row.payload), row.rendered, row.tokens)
+            self.log(parse_history_item(row.payload), row.rendered, row.tokens, referable=row.referable)
         self.prune(covers_to_seq)
 
     def prune(self, covers_to_seq: int) -> None:
@@ -153,12 +155,14 @@ class SessionCache:
         key = counter_key(estimator)
         if key not in self.renders:
             cache = self.renders[key] = RenderCache(self.secret, key)
-            for item, text, tokens in self.stored.values():
+            for item, text, tokens, _ in self.stored.values():
                 if key in tokens:
                     cache.adopt(item, text, tokens[key])
         return self.renders[key]
 
-    def log(self, item: HistoryItem, rendered: str | None, tokens: dict[str, int] | None) -> None:
+    def log(
+        self, item: HistoryItem, rendered: str | None, tokens: dict[str, int] | None, *, referable: bool = False
+    ) -> None:
         """`item` joins the memo of the log, with its stored render taken by every memo of its counters."""
         self.items.append(item)
         self.max_seq = item.seq
@@ -169,10 +173,26 @@ class SessionCache:
             self.open_calls.pop(item.call_id, None)
         if rendered is None or not tokens:
             return
-        self.stored[item.id] = (item, rendered, tokens)
+        self.stored[item.id] = (item, rendered, tokens, referable)
         for key, cache in self.renders.items():
             if key in tokens:
                 cache.adopt(item, rendered, tokens[key])
+
+    def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
+        """`segments` as a request body stores them: a reference (`{"ref": item id}`) for each segment that is a
+        logged item's stored render (the segment `renders` made of that very item, with the stored text and
+        count), whose fields the store keeps with the item; the segment's JSON for the others (per-request
+        segments, pointers, the turn's message, items logged before segments were stored)."""
+        key = renders.counter_key
+        out: list[dict[str, Any]] = []
+        for seg in segments:
+            item = self.by_id.get(seg.item_id)
+            entry = self.stored.get(seg.item_id) if item is not None and renders.lookup(item) is seg else None
+            if entry is not None and entry[3] and entry[2].get(key) == seg.raw_tokens and entry[1] == seg.text:
+                out.append({"ref": seg.item_id})
+            else:
+                out.append(self.json_of(seg))
+        return out
 
     def write_counter_encoding(self) -> str:
         """The encoding items are counted in when written: the latest epoch's route's, else the open's route's."""
@@ -323,29 +343,33 @@ class SessionState:
         self.joined(items, seqs, renders, cache)
         return seqs
 
-    def render_for_log(self, items: list[dict[str, Any]], cache: SessionCache) -> list[tuple[str, dict[str, int]]]:
+    def render_for_log(self, items: list[dict[str, Any]], cache: SessionCache) -> list[ItemRender]:
         """Each item's render, stored with it (render once, at write time): rendered with the session's secret and
         counted by the counter of the session's current route, so a worker that has not seen the session reads
-        them instead of rendering and counting again."""
+        them instead of rendering and counting again, and with its segment's other fields, so a request body
+        refers to it instead of copying it."""
         counter = self.counter(cache.write_counter_encoding())
-        out: list[tuple[str, dict[str, int]]] = []
+        out: list[ItemRender] = []
         for data in items:
-            text = render_item(parse_history_item({**data, "seq": 0}), cache.secret)
-            out.append((text, {counter.name: counter.count(text)}))
+            item = parse_history_item({**data, "seq": 0})
+            text = render_item(item, cache.secret)
+            tokens = counter.count(text)
+            fields = segment_of(item, text, tokens).model_dump(mode="json", exclude=_TEXT_AND_COUNT)
+            out.append(ItemRender(text=text, tokens={counter.name: tokens}, segment=fields))
         return out
 
     def joined(
         self,
         items: list[dict[str, Any]],
         seqs: list[int],
-        renders: list[tuple[str, dict[str, int]]],
+        renders: list[ItemRender],
         cache: SessionCache,
     ) -> None:
         """Items just logged at `seqs` join the memo when they follow what it holds (no read back); otherwise the
         next read brings them."""
         if items and seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))):
-            for data, seq, (text, tokens) in zip(items, seqs, renders, strict=True):
-                cache.log(parse_history_item({**data, "seq": seq}), text, tokens)
+            for data, seq, r in zip(items, seqs, renders, strict=True):
+                cache.log(parse_history_item({**data, "seq": seq}), r.text, r.tokens, referable=True)
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:

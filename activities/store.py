@@ -18,6 +18,7 @@ from activities.migrations import MIGRATIONS
 from activities.rows import (
     CallReads,
     EpochPrefix,
+    ItemRender,
     LoggedItem,
     MemoryCandidate,
     MemoryRow,
@@ -58,13 +59,15 @@ LATEST_CHECKPOINT = """
     ORDER BY c.covers_to_seq DESC, (c.checkpoint->>'kind' = 'escalation') DESC, c.depth DESC LIMIT 1) c ON true
 """
 SQL_LOAD_ITEMS = """
-SELECT seq, turn, payload, rendered, tokens FROM items WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
+SELECT seq, turn, payload, rendered, tokens, segment IS NOT NULL AS referable FROM items
+WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
 # The log a worker's memo needs ($2: the position it holds): what the latest checkpoint does not cover.
 SQL_LIVE_ITEMS = (
     """
 SELECT cp.covers_to_seq,
   (SELECT coalesce(json_agg(json_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
-                                              'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+                                              'rendered', i.rendered, 'tokens', i.tokens,
+                                              'referable', i.segment IS NOT NULL) ORDER BY i.seq), '[]')
      FROM items i WHERE i.session_id = $1 AND i.seq > greatest($2, cp.covers_to_seq)) AS items
 FROM ("""
     + LATEST_CHECKPOINT
@@ -74,10 +77,10 @@ FROM ("""
 
 def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     """The CTEs that log items once each, in order, at the next positions of session $1, with their stored
-    render: `entries` a jsonb array of {item, rendered, tokens}; the items not logged yet (by id) are appended; a
-    group already begun (`group`: its id prefix, looked for after position `after`) adds nothing. Positions race
-    only with another append to the same session at the same instant (the workflow serialises them): the primary
-    key refuses it and the store retries the statement. Read the outcome with `APPENDED`."""
+    render: `entries` a jsonb array of {item, rendered, tokens, segment}; the items not logged yet (by id) are
+    appended; a group already begun (`group`: its id prefix, looked for after position `after`) adds nothing.
+    Positions race only with another append to the same session at the same instant (the workflow serialises
+    them): the primary key refuses it and the store retries the statement. Read the outcome with `APPENDED`."""
     return f"""input AS (
     SELECT e.value AS entry, e.ordinality AS ord FROM jsonb_array_elements({entries}) WITH ORDINALITY AS e
 ), existing AS (  -- one index lookup per input item (a join may read the session's whole log)
@@ -97,9 +100,9 @@ def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     WHERE NOT EXISTS (SELECT 1 FROM existing WHERE existing.item_id = input.entry->'item'->>'id')
       AND NOT (SELECT logged FROM grouped)
 ), inserted AS (
-    INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
+    INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens, segment)
     SELECT $1, seq, entry->'item'->>'id', entry->'item'->>'kind', entry->'item'->>'trust', {turn},
-           (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens'
+           (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens', entry->'segment'
     FROM fresh
     ON CONFLICT (session_id, item_id) DO NOTHING
     RETURNING item_id, seq
@@ -164,8 +167,23 @@ def _chain_cte(sha: str, limit: str) -> str:
 )"""
 
 
+# A link of the chain with the items its tail refers to ({"ref": item id}) replaced by their segments, made of
+# what was stored with each item when it was logged (its segment's fields, its text, its count by the link's
+# counter). A reference that does not resolve stays as it is (`_whole` names it).
+EXPANDED_BODY = """CASE WHEN jsonb_typeof(chain.body) = 'object' AND chain.body ? 'session'
+THEN jsonb_set(chain.body, '{tail}', (
+    SELECT coalesce(jsonb_agg(CASE WHEN i.segment IS NOT NULL AND i.tokens ? (chain.body->>'counter')
+        THEN i.segment || jsonb_build_object('text', i.rendered, 'raw_tokens', i.tokens -> (chain.body->>'counter'))
+        ELSE t.e END ORDER BY t.o), '[]'::jsonb)
+    FROM jsonb_array_elements(chain.body->'tail') WITH ORDINALITY AS t(e, o)
+    LEFT JOIN items i ON t.e ? 'ref' AND i.session_id = chain.body->>'session' AND i.item_id = t.e->>'ref'
+)) ELSE chain.body END"""
 SQL_REQUEST_CHAIN = (
-    "WITH RECURSIVE " + _chain_cte("$1", "$2") + "\nSELECT prefix_sha256, body FROM chain ORDER BY depth"
+    "WITH RECURSIVE "
+    + _chain_cte("$1", "$2")
+    + "\nSELECT prefix_sha256, "
+    + EXPANDED_BODY
+    + " AS body FROM chain ORDER BY depth"
 )
 # A built request in one round trip: its body (content-addressed), its record, the turn's message when it is
 # logged with it ($12: append entries, possibly none), and the distinct prefix hashes of its epoch with this
@@ -250,7 +268,8 @@ VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO N
 SQL_TURN_READS = """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT coalesce(json_agg(json_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
-                                              'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+                                              'rendered', i.rendered, 'tokens', i.tokens,
+                                              'referable', i.segment IS NOT NULL) ORDER BY i.seq), '[]')
      FROM items i WHERE i.session_id = $1 AND i.seq > greatest($2, cp.covers_to_seq)) AS items,
   p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
   CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
@@ -291,7 +310,8 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT to_jsonb(r) FROM request_records r WHERE r.session_id = $1 AND r.turn = $2 AND r.call_index = $3)
     AS record,
   (SELECT coalesce(json_agg(json_build_object('seq', i.seq, 'turn', i.turn, 'payload', i.payload,
-                                              'rendered', i.rendered, 'tokens', i.tokens) ORDER BY i.seq), '[]')
+                                              'rendered', i.rendered, 'tokens', i.tokens,
+                                              'referable', i.segment IS NOT NULL) ORDER BY i.seq), '[]')
      FROM items i WHERE i.session_id = $1 AND i.seq > greatest($4, cp.covers_to_seq)) AS items,
   cp.covers_to_seq,
   (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
@@ -302,7 +322,9 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
     WITH RECURSIVE """
     + _chain_cte("$6::text", "$7")
     + """
-    SELECT json_agg(json_build_object('prefix_sha256', prefix_sha256, 'body', body) ORDER BY depth) FROM chain
+    SELECT json_agg(json_build_object('prefix_sha256', prefix_sha256, 'body', """
+    + EXPANDED_BODY
+    + """) ORDER BY depth) FROM chain
   ) END AS chain
 FROM sessions s
 LEFT JOIN LATERAL ("""
@@ -532,7 +554,7 @@ class Store:
         *,
         group_prefix: str | None = None,
         group_after_seq: int = -1,
-        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
+        renders: Sequence[ItemRender] | None = None,
     ) -> list[int]:
         """Append items (dicts with `id`, `kind`, `trust`; `seq` is assigned here) once each, in order, in one
         round trip.
@@ -541,8 +563,7 @@ class Store:
         `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
         (a retried model call must not mix two replies); the group is looked for after `group_after_seq` (a reply
         is logged after the request it answers was built), so the check costs what was logged since. `renders`,
-        beside each item: its rendered segment and its token count per counter, stored with it (render once, at
-        write time).
+        beside each item: its render (`ItemRender`), stored with it (render once, at write time).
         """
         entries = _entries(items, renders)
         row = await self._positioned(SQL_APPEND_ITEMS, session_id, entries, turn, group_prefix, group_after_seq)
@@ -707,15 +728,20 @@ class Store:
         plan: dict[str, Any],
         inputs: dict[str, Any],
         body: list[dict[str, Any]],
+        counter: str,
         base: str | None = None,
         keep: int = 0,
         append: Sequence[dict[str, Any]] = (),
-        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
+        renders: Sequence[ItemRender] | None = None,
     ) -> tuple[list[EpochPrefix], list[int]]:
         """The request's body and record, and `append` (the turn's message, when it is logged with the request),
         in one round trip. Returns the epoch's distinct prefix hashes and the appended items' seqs (as
-        `append_items` does)."""
-        stored: Any = {"base": base, "keep": keep, "tail": body} if base else body
+        `append_items` does).
+
+        The body is stored as a link: the first `keep` segments of request `base` (None: none), then `body`, whose
+        entries are segments or references to a logged item's stored segment (`{"ref": item id}`, its count
+        the one stored under `counter`), expanded when the request is read (`EXPANDED_BODY`)."""
+        stored = {"base": base, "keep": keep, "tail": body, "session": session_id, "counter": counter}
         row = await self._positioned(
             SQL_STORE_REQUEST,
             session_id,
@@ -786,7 +812,7 @@ class Store:
         append: Sequence[dict[str, Any]] = (),
         group_prefix: str | None = None,
         group_after_seq: int = -1,
-        renders: Sequence[tuple[str, dict[str, int]]] | None = None,
+        renders: Sequence[ItemRender] | None = None,
     ) -> tuple[bool, bool, list[int]]:
         """Usage, calibration, the reconciliation event and the reply's items (`append`, one group, as
         `append_items` logs them) in one round trip: (usage recorded now, event added now, the items' seqs).
@@ -981,16 +1007,14 @@ class Store:
         return dict(row) if row is not None else None
 
 
-def _entries(
-    items: Sequence[dict[str, Any]], renders: Sequence[tuple[str, dict[str, int]]] | None
-) -> list[dict[str, Any]]:
-    """Items to append, each with its render and counts when given (the `input` of `_append_ctes`)."""
+def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | None) -> list[dict[str, Any]]:
+    """Items to append, each with its render when given (the `input` of `_append_ctes`)."""
     if renders is not None and len(renders) != len(items):
         raise ValueError(f"{len(renders)} renders for {len(items)} items")
     if not renders:
         return [{"item": item} for item in items]
     pairs = zip(items, renders, strict=True)
-    return [{"item": item, "rendered": text, "tokens": tokens} for item, (text, tokens) in pairs]
+    return [{"item": item, "rendered": r.text, "tokens": r.tokens, "segment": r.segment} for item, r in pairs]
 
 
 def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[int]:
@@ -1002,20 +1026,27 @@ def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[i
 
 
 def _whole(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
-    """A request's body whole, from its chain (`_chain_cte`, nearest first): the base and each delta on top."""
+    """A request's body whole, from its chain (`_chain_cte`, nearest first, references expanded): a whole body
+    (a list, or a link with no base) and each delta on top."""
     if not rows:
         return None
     links: list[dict[str, Any]] = []
-    body: Any = rows[0]["body"]
-    for row in rows[1:]:
-        if not isinstance(body, dict):
+    body: list[dict[str, Any]] | None = None
+    for row in rows:
+        if isinstance(row["body"], list):
+            body = row["body"]
             break
-        links.append(body)
-        body = row["body"]
-    if isinstance(body, dict):
-        raise LookupError(f"request {sha} refers to a missing base {body['base']}")
+        links.append(row["body"])
+        if links[-1]["base"] is None:
+            body = []
+            break
+    if body is None:
+        raise LookupError(f"request {sha} refers to a missing base {links[-1]['base']}")
     for link in reversed(links):
         body = body[: link["keep"]] + link["tail"]
+    unresolved = [seg["ref"] for seg in body if "ref" in seg]
+    if unresolved:
+        raise LookupError(f"request {sha} refers to items not logged with their segment: {unresolved[:5]}")
     return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
 
 

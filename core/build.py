@@ -298,7 +298,7 @@ class RenderCache:
             return entry[1]
         text = render_item(item, self.secret)
         if type(item) is TurnContext:  # a new one per request (its id names the call): not worth a memo entry
-            return _segment_of(item, text, estimator.count(text))
+            return segment_of(item, text, estimator.count(text))
         return self.adopt(item, text, estimator.count(text))
 
     def adopt(self, item: Item, text: str, raw_tokens: int) -> Segment:
@@ -306,12 +306,13 @@ class RenderCache:
         cache's counter) instead of rendering and counting it again: a cold worker's build reads, not renders.
         Renders are deterministic (the nonce comes from the secret and the item id), so the two are the same
         bytes; the determinism gate re-renders stored items to check it."""
-        seg = _segment_of(item, text, raw_tokens)
+        seg = segment_of(item, text, raw_tokens)
         self._entries[item.id] = (item, seg)
         return seg
 
 
-def _segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
+def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
+    """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
     return Segment(  # validated: pydantic-core builds it faster than model_construct does
         item_id=item.id,
         kind=item.kind,

@@ -7,19 +7,20 @@ Each is a `SessionActivities` whose slot for one activity family holds a faulty 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from activities.assembly import RequestInputs
 from activities.build import BuildActivities
 from activities.model_call import ModelCallActivities
-from activities.rows import TurnReads
+from activities.rows import ItemRender, TurnReads
 from activities.session import SessionActivities
-from activities.session_state import SessionCache
+from activities.session_state import SessionCache, SessionState
 from activities.tool_calls import ToolCallActivities
 from contract.payloads import BuildInput, SessionOpen
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, open_prefix
 from core.estimator import TokenEstimator
-from core.items import HistoryItem
+from core.items import HistoryItem, TrustLevel
 from core.plan import ContextPlan
 
 
@@ -74,3 +75,20 @@ class TaintOff(SessionActivities):
 
     model_call_family: ClassVar[type[ModelCallActivities]] = UntaintedReplies
     tool_call_family: ClassVar[type[ToolCallActivities]] = UntaintedWrites
+
+
+class UserTrustRenders(SessionState):
+    """Stores every logged item's segment fields with USER trust: a tool's output recorded as the user's words."""
+
+    def render_for_log(self, items: list[dict[str, Any]], cache: SessionCache) -> list[ItemRender]:
+        renders = super().render_for_log(items, cache)
+        return [dataclasses.replace(r, segment={**r.segment, "trust": TrustLevel.USER.value}) for r in renders]
+
+
+class LaunderedStoredSegments(SessionActivities):
+    """The segment fields stored with each logged item claim USER trust. The worker that builds a request sends
+    what it built, so nothing on its wire changes; but a request body that refers to the items reads back
+    laundered (what a worker that did not build the request would send, and what `inspect` shows). The
+    determinism gate's stored-bodies check must catch it."""
+
+    state_class: ClassVar[type[SessionState]] = UserTrustRenders

@@ -55,7 +55,15 @@ from harness.attack_corpus import ATTACKS, REAL_NONCE
 from harness.protocol_servers import ProtocolServers, protocol_servers
 from harness.sessions import gate_open as _open
 from harness.torture import draw_scripts, torture
-from harness.wire_gates import check_wire_stability, rerender_items, rerender_prefixes, wire_budget, wire_pairs
+from harness.wire_gates import (
+    Rebuilt,
+    check_wire_stability,
+    compare_stored_bodies,
+    rerender_items,
+    rerender_prefixes,
+    wire_budget,
+    wire_pairs,
+)
 from services.stack import services
 from worker import connect, running_worker
 from workflows.child_run import ChildRunWorkflow
@@ -649,8 +657,16 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
         replayed += 1
         failures += int(result.replay_failure is not None)
     counters: dict[str, TiktokenCounter] = {}
-    rebuilt = await rebuild_session(s.store, handle.id, lambda e: counters.setdefault(e, TiktokenCounter(e)))
+    plans: list[Rebuilt] = []
+    rebuilt = await rebuild_session(
+        s.store,
+        handle.id,
+        lambda e: counters.setdefault(e, TiktokenCounter(e)),
+        observe=lambda rec, prefix, plan: plans.append((rec, prefix, plan)),
+    )
     same = sum(r.reproduced for r in rebuilt)
+    # What was stored of each request, read back (logged items by reference), against its rebuilt body.
+    bodies = await compare_stored_bodies(s.store, plans)
     # The rebuild above reuses the stored prefix; this re-renders Region A itself from its stored inputs.
     rerendered = await rerender_prefixes(s.store, handle.id, lambda e: counters.setdefault(e, TiktokenCounter(e)))
     # Render once, at write time: each item's stored render and count against a fresh render and count.
@@ -660,7 +676,8 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
         and replayed >= 2
         and same == len(rebuilt) > 0
         and rerendered["prefix_bytes_identical"] == rerendered["prefixes_rerendered"] > 0
-        and items["item_renders_identical"] == items["items_rerendered"] > 0,
+        and items["item_renders_identical"] == items["items_rerendered"] > 0
+        and bodies["stored_bodies_identical"] == bodies["stored_bodies_checked"] > 0,
         "histories_replayed": replayed,
         "replay_failures": failures,
         "requests_rebuilt": len(rebuilt),
@@ -669,7 +686,9 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
         "prefix_bytes_identical": rerendered["prefix_bytes_identical"],
         "items_rerendered": items["items_rerendered"],
         "item_renders_identical": items["item_renders_identical"],
-        "faults": rerendered["faults"] + items["faults"],
+        "stored_bodies_checked": bodies["stored_bodies_checked"],
+        "stored_bodies_identical": bodies["stored_bodies_identical"],
+        "faults": rerendered["faults"] + items["faults"] + bodies["faults"],
     }
 
 

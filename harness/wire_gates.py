@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from activities.openai_provider import HISTORY_KINDS
+from activities.rows import RequestRecord
 from activities.store import Store
 from activities.wire import wire_prefix
 from contract import names
@@ -26,6 +27,7 @@ from core.estimator import ModelProfile, TokenCounter, TokenEstimator
 from core.explain import PrefixDifference, first_difference
 from core.item_rendering import render_item
 from core.items import HistoryItem, parse_history_item
+from core.plan import ContextPlan
 from harness.protocol_servers import Element, Received, prompt_elements
 from harness.sessions import gate_open as _open
 
@@ -362,6 +364,43 @@ async def rerender_items(
         else:
             faults.append(diff)
     return {"items_rerendered": checked, "item_renders_identical": identical, "faults": faults}
+
+
+Rebuilt = tuple[RequestRecord, FrozenPrefix, ContextPlan]  # a record, with the prefix and plan rebuilt for it
+
+
+async def compare_stored_bodies(store: Store, rebuilt: Sequence[Rebuilt]) -> dict[str, Any]:
+    """Every reproduced request's stored body, read back (the logged items it refers to expanded from what was
+    stored with them), against the body rebuilt from the request's stored inputs, segment by segment and field
+    by field: what a worker that did not build the request sends, and what `inspect` shows."""
+    checked = identical = 0
+    faults: list[str] = []
+    for rec, prefix, plan in rebuilt:
+        if plan.request_sha256 != rec.request_sha256:
+            continue  # not reproduced: the rebuild's own check reports it
+        checked += 1
+        want = [seg.model_dump(mode="json") for seg in plan.segments[len(prefix.segments) :]]
+        try:
+            stored = await store.get_request(rec.request_sha256)
+        except LookupError as exc:
+            faults.append(f"stored_body_unreadable: turn {rec.turn}.{rec.call_index}: {exc}")
+            continue
+        got = stored.body if stored is not None else []
+        if got == want:
+            identical += 1
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        if at >= min(len(got), len(want)):
+            faults.append(
+                f"stored_body_differs: turn {rec.turn}.{rec.call_index}: {len(got)} segments, rebuilt {len(want)}"
+            )
+            continue
+        field = next(k for k in sorted({*got[at], *want[at]}) if got[at].get(k) != want[at].get(k))
+        faults.append(
+            f"stored_body_differs: turn {rec.turn}.{rec.call_index} segment {at} ({want[at]['item_id']}) {field}: "
+            f"stored {str(got[at].get(field))[:40]!r}, rebuilt {str(want[at].get(field))[:40]!r}"
+        )
+    return {"stored_bodies_checked": checked, "stored_bodies_identical": identical, "faults": faults}
 
 
 # ------------------------------------------------------------------------ sessions on the wire, for gates

@@ -14,7 +14,7 @@ from temporalio.client import Client
 from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
 from activities.provider import ProviderReply, ProviderRequest, ScriptedProvider
 from activities.wire import wire_prefix
-from harness.faults import PrefixTimestampFault, TaintOff
+from harness.faults import LaunderedStoredSegments, PrefixTimestampFault, TaintOff
 from harness.gates import gate_pairs, live_stack, run_gate
 from harness.torture import Op, Script
 
@@ -39,6 +39,8 @@ async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> N
         assert result["untrusted_marker_bytes_in_memories"] == 0
         assert result["untainted_working_state_entries_from_untrusted"] == 0
         assert result["untrusted_bytes_in_summarizer_inputs"] == 0
+    if name == "determinism":
+        assert result["stored_bodies_identical"] == result["stored_bodies_checked"] == result["requests_rebuilt"]
     if name == "budget":
         assert result["requests_over_window"] == 0 and result["sessions_stuck"] == 0
         assert result["turns_too_large"] == result["turns_too_large_sizes_checked"]
@@ -55,6 +57,17 @@ async def test_injected_timestamp_fails_stability_and_is_explained(temporal_clie
     diff = result["violation"]["first_difference"]
     assert diff["item_id"] == "platform.1.policy" and diff["budget_class"] == "platform_policy"
     assert "Rendered at" in diff["actual"]
+
+
+async def test_laundered_stored_segments_fail_the_determinism_gate(temporal_client: Client, pg_dsn: str) -> None:
+    """Segment fields stored with each logged item that claim USER trust (a harness fault) leave every request on
+    the building worker's wire as it was, but the stored bodies that refer to those items read back laundered:
+    the determinism gate compares them with the rebuilt requests and fails, naming the field."""
+    result = await run_gate("determinism", client=temporal_client, dsn=pg_dsn, activities_class=LaunderedStoredSegments)
+    assert not result["passed"], result
+    assert result["bytes_identical"] == result["requests_rebuilt"] > 0  # the requests themselves are unchanged
+    assert result["stored_bodies_identical"] < result["stored_bodies_checked"]
+    assert any(f.startswith("stored_body_differs") and " trust: stored 'USER'" in f for f in result["faults"])
 
 
 class RequestIdInSystemPrompt(OpenAIProvider):
