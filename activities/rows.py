@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from core.items import HistoryItem
+
 
 @dataclass(frozen=True, slots=True)
 class StoredSession:
@@ -40,6 +42,17 @@ class LoggedItem:
     tokens: dict[str, int] | None = None  # its raw token count per counter key, counted when it was written
     # Whether its segment's other fields were stored too (migration 6): a request body may then refer to it.
     referable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LiveItem:
+    """A logged item as a worker's memo reads it (`Store.load_live_items` and the activities' reads): parsed,
+    with what was stored with it when it was logged (`LoggedItem` is the row as JSON)."""
+
+    item: HistoryItem
+    rendered: str | None  # its segment text (None: not stored)
+    tokens: dict[str, int] | None  # its raw token count per counter key
+    referable: bool  # its segment's other fields were stored too: a request body may refer to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +192,7 @@ class TurnReads:
     the latest checkpoint, the snapshot's corrections and the recall for the turn's message (when asked)."""
 
     session: StoredSession
-    items: list[LoggedItem]
+    items: list[LiveItem]
     prefix: StoredPrefix | None
     calibration: float | None
     provider_calibration: float | None
@@ -197,7 +210,7 @@ class CallReads:
 
     session: StoredSession
     record: RequestRecord | None
-    items: list[LoggedItem]
+    items: list[LiveItem]
     covers_to_seq: int
     calibration: float | None
     provider_calibration: float | None

@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
-from activities.rows import CallReads, ItemRender, LoggedItem, StoredSession, TurnReads
+from activities.rows import CallReads, ItemRender, LiveItem, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
@@ -93,11 +93,11 @@ class SessionCache:
         self.last_provider = (segments, out)
         return out
 
-    def catch_up(self, rows: list[LoggedItem], covers_to_seq: int) -> None:
+    def catch_up(self, rows: list[LiveItem], covers_to_seq: int) -> None:
         """The log rows read after what the memo holds join it; then what the latest checkpoint covers (up to
         `covers_to_seq`, -1: no checkpoint) leaves it."""
         for row in rows:
-            self.log(parse_history_item(row.payload), row.rendered, row.tokens, referable=row.referable)
+            self.log(row.item, row.rendered, row.tokens, referable=row.referable)
         self.prune(covers_to_seq)
 
     def prune(self, covers_to_seq: int) -> None:

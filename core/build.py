@@ -26,6 +26,7 @@ from core.errors import PrefixOverflowError, TurnTooLargeError
 from core.estimator import TokenEstimator
 from core.item_rendering import render_item, source_of
 from core.items import (
+    ITEM_TYPES,
     AgentInstructions,
     BudgetClass,
     CorrectionLine,
@@ -311,6 +312,9 @@ class RenderCache:
         return seg
 
 
+_PAIRED = frozenset(t for t in ITEM_TYPES if "call_id" in t.model_fields)  # the kinds with a call id
+
+
 def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
     """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
     return Segment(  # validated: pydantic-core builds it faster than model_construct does
@@ -323,7 +327,7 @@ def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
         text=text,
         raw_tokens=raw_tokens,
         # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
-        call_id=item.call_id if "call_id" in type(item).model_fields else None,  # type: ignore[attr-defined]
+        call_id=item.call_id if type(item) in _PAIRED else None,  # type: ignore[attr-defined]
         taints=item.taints_view(),
     )
 
