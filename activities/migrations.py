@@ -189,8 +189,10 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 6: each item's segment fields (all but its text and count) beside its render, so a stored request body
     # refers to the items' renders ({"ref": item id}) instead of copying them: a worker that has not seen the
-    # session writes a few bytes per item, not the whole body (docs/operations.md, "Schema and migrations")
+    # session writes a few bytes per item, not the whole body; and a tool result's pointer, rendered and counted,
+    # so such a worker's build under pressure reads its pointers too (docs/operations.md, "Schema and migrations")
     """
     ALTER TABLE items ADD COLUMN IF NOT EXISTS segment jsonb;
+    ALTER TABLE items ADD COLUMN IF NOT EXISTS pointer jsonb;
     """,
 )

@@ -42,6 +42,7 @@ class LoggedItem:
     tokens: dict[str, int] | None = None  # its raw token count per counter key, counted when it was written
     # Whether its segment's other fields were stored too (migration 6): a request body may then refer to it.
     referable: bool = False
+    pointer: dict[str, Any] | None = None  # a tool result's pointer render: {"text", "tokens" per counter key}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +54,21 @@ class LiveItem:
     rendered: str | None  # its segment text (None: not stored)
     tokens: dict[str, int] | None  # its raw token count per counter key
     referable: bool  # its segment's other fields were stored too: a request body may refer to it
+    pointer: dict[str, Any] | None = None  # a tool result's pointer render: {"text", "tokens" per counter key}
 
 
 @dataclass(frozen=True, slots=True)
 class ItemRender:
     """An item's render, stored with it when it is logged (render once, at write time): its segment text, its
-    raw token count per counter key, and its segment's other fields (a `Segment` without `text` and
-    `raw_tokens`), so a stored request body refers to the item instead of copying its segment."""
+    raw token count per counter key, its segment's other fields (a `Segment` without `text` and `raw_tokens`),
+    so a stored request body refers to the item instead of copying its segment, and for a tool result its
+    pointer's render and count."""
 
     text: str
     tokens: dict[str, int]
     segment: dict[str, Any]
+    # A tool result's pointer (what a build under pressure shows instead), rendered and counted too.
+    pointer: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import operator
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from temporalio.exceptions import ApplicationError
@@ -23,7 +23,7 @@ from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
 from contract.payloads import STORED, SessionOpen
-from core.build import FrozenPrefix, RenderCache, counter_key, segment_of
+from core.build import FrozenPrefix, RenderCache, counter_key, pointer_for, segment_of
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import render_item
 from core.items import HistoryItem, Region, ToolCall, ToolResult, UserMessage, parse_history_item
@@ -33,6 +33,27 @@ from core.working_state import WorkingState, WorkingStateWrite, fold
 log = structlog.get_logger("ctxengine.activities")
 _seq = operator.attrgetter("seq")
 _TEXT_AND_COUNT = {"text", "raw_tokens"}  # what a stored render holds beside its segment's other fields
+
+
+class StoredRender(NamedTuple):
+    """A logged item's render stored at write time, as the memo keeps it."""
+
+    item: HistoryItem
+    text: str
+    tokens: dict[str, int]  # its raw token count per counter key
+    referable: bool  # its segment's other fields were stored too: a request body may refer to it
+    pointer: dict[str, Any] | None  # a tool result's pointer render: {"text", "tokens" per counter key}
+
+    def taken_by(self, cache: RenderCache) -> None:
+        """`cache` takes this render (and the pointer's) when it was counted by `cache`'s counter."""
+        key = cache.counter_key
+        if key not in self.tokens:
+            return
+        cache.adopt(self.item, self.text, self.tokens[key])
+        if self.pointer is not None and key in self.pointer["tokens"] and isinstance(self.item, ToolResult):
+            cache.adopt_pointer(self.item, self.tokens[key], self.pointer["text"], self.pointer["tokens"][key])
+
+
 RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 
 
@@ -52,9 +73,8 @@ class SessionCache:
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, list[Segment]] = OrderedDict()
         self.last_body: tuple[str, str, list[Segment], int] | None = None
-        # Each logged item's render stored at write time, by item id: (the item, its text, its counts by counter,
-        # whether its segment's other fields were stored too, so a request body may refer to it).
-        self.stored: dict[str, tuple[HistoryItem, str, dict[str, int], bool]] = {}
+        # Each logged item's render stored at write time, by item id.
+        self.stored: dict[str, StoredRender] = {}
         # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
         self.by_id: dict[str, HistoryItem] = {}
         self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
@@ -97,7 +117,7 @@ class SessionCache:
         """The log rows read after what the memo holds join it; then what the latest checkpoint covers (up to
         `covers_to_seq`, -1: no checkpoint) leaves it."""
         for row in rows:
-            self.log(row.item, row.rendered, row.tokens, referable=row.referable)
+            self.log(row.item, row.rendered, row.tokens, referable=row.referable, pointer=row.pointer)
         self.prune(covers_to_seq)
 
     def prune(self, covers_to_seq: int) -> None:
@@ -155,13 +175,18 @@ class SessionCache:
         key = counter_key(estimator)
         if key not in self.renders:
             cache = self.renders[key] = RenderCache(self.secret, key)
-            for item, text, tokens, _ in self.stored.values():
-                if key in tokens:
-                    cache.adopt(item, text, tokens[key])
+            for stored in self.stored.values():
+                stored.taken_by(cache)
         return self.renders[key]
 
     def log(
-        self, item: HistoryItem, rendered: str | None, tokens: dict[str, int] | None, *, referable: bool = False
+        self,
+        item: HistoryItem,
+        rendered: str | None,
+        tokens: dict[str, int] | None,
+        *,
+        referable: bool = False,
+        pointer: dict[str, Any] | None = None,
     ) -> None:
         """`item` joins the memo of the log, with its stored render taken by every memo of its counters."""
         self.items.append(item)
@@ -173,10 +198,9 @@ class SessionCache:
             self.open_calls.pop(item.call_id, None)
         if rendered is None or not tokens:
             return
-        self.stored[item.id] = (item, rendered, tokens, referable)
-        for key, cache in self.renders.items():
-            if key in tokens:
-                cache.adopt(item, rendered, tokens[key])
+        stored = self.stored[item.id] = StoredRender(item, rendered, tokens, referable, pointer)
+        for cache in self.renders.values():
+            stored.taken_by(cache)
 
     def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
         """`segments` as a request body stores them: a reference (`{"ref": item id}`) for each segment that is a
@@ -188,7 +212,12 @@ class SessionCache:
         for seg in segments:
             item = self.by_id.get(seg.item_id)
             entry = self.stored.get(seg.item_id) if item is not None and renders.lookup(item) is seg else None
-            if entry is not None and entry[3] and entry[2].get(key) == seg.raw_tokens and entry[1] == seg.text:
+            if (
+                entry is not None
+                and entry.referable
+                and entry.tokens.get(key) == seg.raw_tokens
+                and entry.text == seg.text
+            ):
                 out.append({"ref": seg.item_id})
             else:
                 out.append(self.json_of(seg))
@@ -355,7 +384,11 @@ class SessionState:
             text = render_item(item, cache.secret)
             tokens = counter.count(text)
             fields = segment_of(item, text, tokens).model_dump(mode="json", exclude=_TEXT_AND_COUNT)
-            out.append(ItemRender(text=text, tokens={counter.name: tokens}, segment=fields))
+            pointer = None
+            if isinstance(item, ToolResult):  # the pointer a build under pressure may show instead
+                pointer_text = render_item(pointer_for(item, tokens), cache.secret)
+                pointer = {"text": pointer_text, "tokens": {counter.name: counter.count(pointer_text)}}
+            out.append(ItemRender(text=text, tokens={counter.name: tokens}, segment=fields, pointer=pointer))
         return out
 
     def joined(
@@ -369,7 +402,8 @@ class SessionState:
         next read brings them."""
         if items and seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))):
             for data, seq, r in zip(items, seqs, renders, strict=True):
-                cache.log(parse_history_item({**data, "seq": seq}), r.text, r.tokens, referable=True)
+                item = parse_history_item({**data, "seq": seq})
+                cache.log(item, r.text, r.tokens, referable=True, pointer=r.pointer)
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:

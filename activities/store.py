@@ -60,7 +60,7 @@ LATEST_CHECKPOINT = """
     ORDER BY c.covers_to_seq DESC, (c.checkpoint->>'kind' = 'escalation') DESC, c.depth DESC LIMIT 1) c ON true
 """
 SQL_LOAD_ITEMS = """
-SELECT seq, turn, payload, rendered, tokens, segment IS NOT NULL AS referable FROM items
+SELECT seq, turn, payload, rendered, tokens, segment IS NOT NULL AS referable, pointer FROM items
 WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
 
 
@@ -70,7 +70,8 @@ def _live_log(after: str) -> str:
     JSON aggregate of the rows costs). Read them with `_live`."""
     return f"""LEFT JOIN LATERAL (
   SELECT array_agg(i.payload::text ORDER BY i.seq) AS payloads, array_agg(i.rendered ORDER BY i.seq) AS renders,
-         json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable
+         json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable,
+         json_agg(i.pointer ORDER BY i.seq) AS pointers
   FROM items i WHERE i.session_id = $1 AND i.seq > {after}
 ) log ON true"""
 
@@ -83,7 +84,7 @@ SQL_LIVE_ITEMS = (
 
 def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     """The CTEs that log items once each, in order, at the next positions of session $1, with their stored
-    render: `entries` a jsonb array of {item, rendered, tokens, segment}; the items not logged yet (by id) are
+    render: `entries` a jsonb array of {item, rendered, tokens, segment, pointer}; the items not logged yet (by id) are
     appended; a group already begun (`group`: its id prefix, looked for after position `after`) adds nothing.
     Positions race only with another append to the same session at the same instant (the workflow serialises
     them): the primary key refuses it and the store retries the statement. Read the outcome with `APPENDED`."""
@@ -106,9 +107,10 @@ def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     WHERE NOT EXISTS (SELECT 1 FROM existing WHERE existing.item_id = input.entry->'item'->>'id')
       AND NOT (SELECT logged FROM grouped)
 ), inserted AS (
-    INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens, segment)
+    INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens, segment, pointer)
     SELECT $1, seq, entry->'item'->>'id', entry->'item'->>'kind', entry->'item'->>'trust', {turn},
-           (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens', entry->'segment'
+           (entry->'item') || jsonb_build_object('seq', seq), entry->>'rendered', entry->'tokens', entry->'segment',
+           entry->'pointer'
     FROM fresh
     ON CONFLICT (session_id, item_id) DO NOTHING
     RETURNING item_id, seq
@@ -273,7 +275,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO N
 # $4 whether to return the prefix row, $5 the recall query (NULL: none), $6 the recall limit.
 SQL_TURN_READS = """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
-  log.payloads, log.renders, log.counts, log.referable,
+  log.payloads, log.renders, log.counts, log.referable, log.pointers,
   p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
   CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
   CASE WHEN $4 THEN p.inputs END AS inputs,
@@ -315,7 +317,7 @@ SQL_CALL_READS = (
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT to_jsonb(r) FROM request_records r WHERE r.session_id = $1 AND r.turn = $2 AND r.call_index = $3)
     AS record,
-  log.payloads, log.renders, log.counts, log.referable,
+  log.payloads, log.renders, log.counts, log.referable, log.pointers,
   cp.covers_to_seq,
   (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
     AS calibration,
@@ -1020,7 +1022,10 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
     if not renders:
         return [{"item": item} for item in items]
     pairs = zip(items, renders, strict=True)
-    return [{"item": item, "rendered": r.text, "tokens": r.tokens, "segment": r.segment} for item, r in pairs]
+    return [
+        {"item": item, "rendered": r.text, "tokens": r.tokens, "segment": r.segment, "pointer": r.pointer}
+        for item, r in pairs
+    ]
 
 
 def _live(row: Mapping[str, Any]) -> list[LiveItem]:
@@ -1029,9 +1034,9 @@ def _live(row: Mapping[str, Any]) -> list[LiveItem]:
         return []
     parsed = parse_history_json(row["payloads"])
     return [
-        LiveItem(item, rendered, tokens, referable)
-        for item, rendered, tokens, referable in zip(
-            parsed, row["renders"], row["counts"], row["referable"], strict=True
+        LiveItem(item, rendered, tokens, referable, pointer)
+        for item, rendered, tokens, referable, pointer in zip(
+            parsed, row["renders"], row["counts"], row["referable"], row["pointers"], strict=True
         )
     ]
 

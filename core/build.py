@@ -200,6 +200,8 @@ class RenderCache:
         self.counter_key = counter_key
         self._entries: dict[str, tuple[Item, Segment]] = {}
         self._pointers: dict[str, tuple[ToolResult, Segment]] = {}
+        # Pointer renders stored at write time, by result id: (the result's count, the text, the pointer's count).
+        self._stored_pointers: dict[str, tuple[int, str, int]] = {}
         self._chain_prefix = ""
         self._chain: list[Segment] = []
         self._checkpoints: list[Any] = []
@@ -220,9 +222,20 @@ class RenderCache:
         memo = self._pointers.get(result.id)
         if memo is not None and memo[0] is result:
             return memo[1]
-        seg = self.segment(_pointer_for(result, raw_tokens), estimator)
+        pointer = pointer_for(result, raw_tokens)
+        stored = self._stored_pointers.get(result.id)
+        if stored is not None and stored[0] == raw_tokens:
+            seg = self.adopt(pointer, stored[1], stored[2])
+        else:
+            seg = self.segment(pointer, estimator)
         self._pointers[result.id] = (result, seg)
         return seg
+
+    def adopt_pointer(self, result: ToolResult, result_tokens: int, text: str, raw_tokens: int) -> None:
+        """Take the pointer that may stand for `result` (counted `result_tokens` by this cache's counter) from its
+        render stored at write time (`text`, counted `raw_tokens`), for when a build needs it: a cold worker's
+        build of a session under pressure reads its pointers instead of rendering and counting them."""
+        self._stored_pointers[result.id] = (result_tokens, text, raw_tokens)
 
     def request_hash(self, prefix: FrozenPrefix, body: list[Segment]) -> str:
         """SHA-256 of prefix + body bytes, resumed from the last checkpoint before the first changed segment."""
@@ -248,6 +261,7 @@ class RenderCache:
         for item_id in item_ids:
             self._entries.pop(item_id, None)
             self._pointers.pop(item_id, None)
+            self._stored_pointers.pop(item_id, None)
 
     def visible_history(self, history: Sequence[HistoryItem], checkpoint: Checkpoint | None) -> list[HistoryItem]:
         """`apply_checkpoint(history, checkpoint)`, extending the last call's result when `history` extends the
@@ -673,7 +687,8 @@ def _active_pointer_candidates(
     return out
 
 
-def _pointer_for(result: ToolResult, raw_tokens: int) -> ElidedSpan:
+def pointer_for(result: ToolResult, raw_tokens: int) -> ElidedSpan:
+    """The typed pointer that stands for `result` (counted `raw_tokens`) when the build turns it into one."""
     return ElidedSpan(
         id=f"{result.id}#pointer",
         trust=result.trust,

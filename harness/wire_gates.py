@@ -22,11 +22,11 @@ from activities.wire import wire_prefix
 from contract import names
 from contract.payloads import RevokeTool, SessionOpen
 from core.budget import ContextBudget
-from core.build import FrozenPrefix, PrefixInputs, open_prefix
+from core.build import FrozenPrefix, PrefixInputs, open_prefix, pointer_for
 from core.estimator import ModelProfile, TokenCounter, TokenEstimator
 from core.explain import PrefixDifference, first_difference
 from core.item_rendering import render_item
-from core.items import HistoryItem, parse_history_item
+from core.items import HistoryItem, Item, ToolResult, parse_history_item
 from core.plan import ContextPlan
 from harness.protocol_servers import Element, Received, prompt_elements
 from harness.sessions import gate_open as _open
@@ -310,11 +310,11 @@ async def rerender_prefixes(
     return {"prefixes_rerendered": len(epochs), "prefix_bytes_identical": identical, "faults": faults}
 
 
-ItemRender = Callable[[HistoryItem, bytes], str]
+ItemRender = Callable[[Item, bytes], str]
 
 
 def compare_item_render(
-    item: HistoryItem,
+    item: Item,
     rendered: str,
     tokens: Mapping[str, int],
     *,
@@ -342,7 +342,8 @@ def compare_item_render(
 async def rerender_items(
     store: Store, session_id: str, counter_for: Callable[[str], TokenCounter], render: ItemRender = render_item
 ) -> dict[str, Any]:
-    """Every logged item with a render stored at write time: rendered and counted again, compared."""
+    """Every logged item with a render stored at write time (and a tool result's pointer): rendered and counted
+    again, compared."""
     session = await store.get_session(session_id)
     assert session is not None
     checked = identical = 0
@@ -350,19 +351,22 @@ async def rerender_items(
     for row in await store.load_items(session_id):
         if row.rendered is None or not row.tokens:
             continue
-        checked += 1
-        diff = compare_item_render(
-            parse_history_item(row.payload),
-            row.rendered,
-            row.tokens,
-            secret=session.secret,
-            counter_for=counter_for,
-            render=render,
-        )
-        if diff is None:
-            identical += 1
-        else:
-            faults.append(diff)
+        item = parse_history_item(row.payload)
+        renders: list[tuple[HistoryItem, str, Mapping[str, int]]] = [(item, row.rendered, row.tokens)]
+        if row.pointer is not None and isinstance(item, ToolResult):
+            # The pointer that may stand for a tool result, rendered when the result was logged, with the
+            # result's count by the same counter in it.
+            for key, count in row.pointer["tokens"].items():
+                renders.append((pointer_for(item, row.tokens[key]), row.pointer["text"], {key: count}))
+        for what, text, tokens in renders:
+            checked += 1
+            diff = compare_item_render(
+                what, text, tokens, secret=session.secret, counter_for=counter_for, render=render
+            )
+            if diff is None:
+                identical += 1
+            else:
+                faults.append(diff)
     return {"items_rerendered": checked, "item_renders_identical": identical, "faults": faults}
 
 

@@ -10,9 +10,11 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.providers import build_providers
+from activities.rebuild import rebuild_session
 from activities.session import SessionActivities
 from activities.store import Store
-from contract.payloads import BuildInput
+from activities.tokens import TiktokenCounter
+from contract.payloads import BuildInput, OpenInput
 from harness.bench import cold_build
 
 pytestmark = pytest.mark.integration
@@ -112,3 +114,67 @@ async def test_a_reference_that_does_not_resolve_is_named(pg_dsn: str) -> None:
         )
         with pytest.raises(LookupError, match=r"u:3"):
             await store.get_request(sha)
+
+
+async def test_a_cold_build_under_pressure_reads_its_pointers(pg_dsn: str) -> None:
+    """A tool result is logged with the pointer that may stand for it, rendered and counted. A worker that has
+    not seen a session over its window shows those pointers from what was stored (the very text read, not a new
+    render), and the request is the one a rebuild with fresh renders makes, byte for byte."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id = "pointers-cold"
+        seeder = SessionActivities(store, build_providers())
+        small = cold_build.session_open().model_copy(
+            update={"budget": {"context_window": 6_000, "output_reserve": 500}}
+        )
+        await ActivityEnvironment().run(
+            seeder.lifecycle.open_session, OpenInput(session_id=session_id, open=small, owner="run-pointers")
+        )
+        _, _, cache = await seeder.state.session(session_id)
+        for turn in range(1, 13):
+            call_id = f"call_t{turn}_m0_0"
+            page = f"page {turn}: " + "the shard migration log reads all clear; " * 40
+            await seeder.state.append(
+                session_id,
+                turn,
+                [
+                    {"id": f"u:{turn}", "kind": "user_message", "trust": "USER", "text": f"fetch page {turn}"},
+                    {
+                        "id": f"t{turn}.m0.call0",
+                        "kind": "tool_call",
+                        "trust": "MODEL",
+                        "call_id": call_id,
+                        "tool_name": "web.fetch",
+                        "arguments": {"url": f"fixture://page/{turn}"},
+                    },
+                    {
+                        "id": f"t{turn}.m0.call0.result",
+                        "kind": "tool_result",
+                        "trust": "EXTERNAL_UNTRUSTED",
+                        "call_id": call_id,
+                        "tool_name": "web.fetch",
+                        "content": page,
+                        "is_error": False,
+                        "artifact_ref": None,
+                    },
+                    {"id": f"t{turn}.m1.text", "kind": "assistant_message", "trust": "MODEL", "text": "noted"},
+                ],
+                cache,
+            )
+        cold = SessionActivities(store, build_providers())
+        result = await ActivityEnvironment().run(
+            cold.build.build_context,
+            BuildInput(session_id=session_id, turn=13, call_index=0, epoch=1, now_iso=NOW, user_text="and now?"),
+        )
+        assert result.plan.pointers > 0
+        memo = cold.state.cached(session_id)
+        assert memo is not None
+        built = memo.built[result.plan.request_sha256]
+        pointers = [seg for seg in built if seg.kind == "elided_span"]
+        assert len(pointers) == result.plan.pointers
+        for seg in pointers:
+            stored = memo.stored[seg.item_id.removesuffix("#pointer")].pointer
+            assert stored is not None and seg.text is stored["text"]  # read, not rendered again
+        counter = TiktokenCounter("cl100k_base")
+        rebuilt = await rebuild_session(store, session_id, lambda _: counter)
+        assert rebuilt[-1].request_sha256 == result.plan.request_sha256 and rebuilt[-1].reproduced

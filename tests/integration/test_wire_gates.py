@@ -14,10 +14,10 @@ from activities.anthropic_provider import AnthropicProvider
 from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
 from activities.provider import ProviderReply, ProviderRequest
 from activities.wire import wire_prefix
-from core.build import FrozenPrefix, PrefixInputs, open_prefix
+from core.build import FrozenPrefix, PrefixInputs, open_prefix, pointer_for
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import render_item
-from core.items import HistoryItem, parse_history_item
+from core.items import HistoryItem, Item, ToolResult, parse_history_item
 from harness.protocol_servers import FakeServer, scripted_anthropic_server, scripted_openai_server
 from harness.wire_gates import (
     check_wire_budget,
@@ -231,3 +231,33 @@ class TestDeterminismObserver:
             item, stored, {"cl100k_base": tokens["cl100k_base"] + 1}, secret=tp.SECRET, counter_for=lambda _: tp.COUNTER
         )
         assert miscounted is not None and miscounted.startswith("item_count_differs: u:1")
+
+    def test_stored_pointer_render_reproduces_and_one_byte_off_is_caught(self) -> None:
+        """A tool result's pointer, rendered when the result was logged, equals a fresh render of the pointer for
+        the result's count; a renderer that changes one byte of it is caught, naming the pointer."""
+        result = parse_history_item(
+            {
+                "id": "t1.m0.call0.result",
+                "seq": 4,
+                "kind": "tool_result",
+                "trust": "EXTERNAL_UNTRUSTED",
+                "call_id": "call_t1_m0_0",
+                "tool_name": "web.fetch",
+                "content": "a long page " * 50,
+                "is_error": False,
+                "artifact_ref": None,
+            }
+        )
+        assert isinstance(result, ToolResult)
+        pointer = pointer_for(result, tp.COUNTER.count(render_item(result, tp.SECRET)))
+        stored = render_item(pointer, tp.SECRET)
+        tokens = {"cl100k_base": tp.COUNTER.count(stored)}
+        assert compare_item_render(pointer, stored, tokens, secret=tp.SECRET, counter_for=lambda _: tp.COUNTER) is None
+
+        def one_byte_off(it: Item, secret: bytes) -> str:
+            return render_item(it, secret).replace("tokens of", "tokens Of")
+
+        diff = compare_item_render(
+            pointer, stored, tokens, secret=tp.SECRET, counter_for=lambda _: tp.COUNTER, render=one_byte_off
+        )
+        assert diff is not None and diff.startswith("item_render_differs: t1.m0.call0.result#pointer at byte ")
