@@ -32,6 +32,7 @@ from core.working_state import WorkingState, WorkingStateWrite, fold
 
 log = structlog.get_logger("ctxengine.activities")
 _seq = operator.attrgetter("seq")
+RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 _TEXT_AND_COUNT = {"text", "raw_tokens"}  # what a stored render holds beside its segment's other fields
 
 
@@ -52,9 +53,6 @@ class StoredRender(NamedTuple):
         cache.adopt(self.item, self.text, self.tokens[key])
         if self.pointer is not None and key in self.pointer["tokens"] and isinstance(self.item, ToolResult):
             cache.adopt_pointer(self.item, self.tokens[key], self.pointer["text"], self.pointer["tokens"][key])
-
-
-RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 
 
 class SessionCache:

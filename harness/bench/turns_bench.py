@@ -263,14 +263,35 @@ async def _timed(turn: Turn, text: str) -> float:
     return time.perf_counter() - t0
 
 
+CPU_OF = ("temporal", "postgres")  # the embedded services' processes, by name (none when they are external)
+
+
+def _cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (the in-process engine and floor workers and the bench's
+    client) and of the Temporal server's and PostgreSQL's processes it started (the embedded services)."""
+    me = psutil.Process()
+    mine = me.cpu_times()
+    out = {"worker": mine.user + mine.system, **dict.fromkeys(CPU_OF, 0.0)}
+    for proc in me.children(recursive=True):
+        try:
+            name, times = proc.name(), proc.cpu_times()
+        except psutil.Error:  # gone since it was listed (a PostgreSQL backend that ended)
+            continue
+        for key in CPU_OF:
+            if name.startswith(key):
+                out[key] += times.user + times.system
+    return out
+
+
 async def _throughput(
     make: Callable[[str], Awaitable[tuple[WorkflowHandle[Any, Any], Turn]]],
     label: str,
     sessions: int,
     turns_per_session: int,
     tick: Callable[[int], None],
-) -> float:
-    """N sessions, each opened with one untimed turn, then `turns_per_session` turns each, all concurrent."""
+) -> tuple[float, dict[str, float]]:
+    """N sessions, each opened with one untimed turn, then `turns_per_session` turns each, all concurrent: turns
+    per second, and the CPU milliseconds per turn each process spent meanwhile (`_cpu_s`)."""
     made = await asyncio.gather(*(make(f"{label}-{i}") for i in range(sessions)))
     turns = [t for _, t in made]
     await asyncio.gather(*(t(_plain_text(0)) for t in turns))
@@ -280,10 +301,11 @@ async def _throughput(
             await turn(_plain_text(i))
             tick(1)
 
-    t0 = time.perf_counter()
+    cpu0, t0 = _cpu_s(), time.perf_counter()
     await asyncio.gather(*(session(t) for t in turns))
-    wall = time.perf_counter() - t0
-    return sessions * turns_per_session / wall
+    wall, cpu1 = time.perf_counter() - t0, _cpu_s()
+    done = sessions * turns_per_session
+    return done / wall, {key: (cpu1[key] - cpu0[key]) * 1000 / done for key in cpu1}
 
 
 # ------------------------------------------------------------------------------------------------ history
@@ -572,14 +594,18 @@ async def _measure(
             out["throughput_rounds"] = throughput_rounds
             for n in sessions:
                 tick = bars.task(f"throughput, {n} sessions", 2 * n * turns_per_session * throughput_rounds)
-                floor_tps = engine_tps = 0.0
+                best: dict[str, tuple[float, dict[str, float]]] = {"floor": (0.0, {}), "engine": (0.0, {})}
                 for r in range(throughput_rounds):
-                    floor_tps = max(floor_tps, await _throughput(bench.floor, f"tp{n}-{r}", n, turns_per_session, tick))
-                    engine_tps = max(
-                        engine_tps, await _throughput(bench.engine, f"tp{n}-{r}", n, turns_per_session, tick)
-                    )
+                    for side, make in (("floor", bench.floor), ("engine", bench.engine)):
+                        got = await _throughput(make, f"tp{n}-{r}", n, turns_per_session, tick)
+                        best[side] = max(best[side], got, key=lambda x: x[0])
+                (floor_tps, floor_cpu), (engine_tps, engine_cpu) = best["floor"], best["engine"]
                 out[f"turns_per_s_{n}_sessions"] = round(engine_tps, 2)
                 out[f"floor_turns_per_s_{n}_sessions"] = round(floor_tps, 2)
+                # Where the CPU went, per turn, in the best round of each (explanatory: no target applies).
+                for side, cpu in (("engine", engine_cpu), ("floor", floor_cpu)):
+                    for proc, ms in cpu.items():
+                        out[f"{side}_{proc}_cpu_ms_per_turn_{n}_sessions"] = round(ms, 2)
                 ratios[f"throughput_ratio_{n}_sessions"] = _ratio(engine_tps, floor_tps)
             await bench.terminate_all()
             await asyncio.sleep(SETTLE_S)  # let the server finish the terminations before the long session

@@ -89,6 +89,11 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     assert result["cold_build_rounds"] == 2
     assert result["two_workers_p50_ms"] > 0 and result["two_workers_no_affinity_p50_ratio"] > 0
     assert result["one_worker_process_no_eager_p50_ms"] > 0 and result["two_workers_vs_one_no_eager_p50_ratio"] > 0
+    # Where the throughput phase's CPU went: the bench's process and the embedded services' own processes.
+    for side in ("engine", "floor"):
+        for proc in ("worker", "temporal"):
+            assert result[f"{side}_{proc}_cpu_ms_per_turn_4_sessions"] > 0, (side, proc)
+    assert result["engine_postgres_cpu_ms_per_turn_4_sessions"] > 0
     # Ratios and verdicts come last.
     keys = list(result)
     assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
