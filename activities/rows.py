@@ -1,6 +1,7 @@
 """What the store's reads return: one frozen dataclass per kind of row, so no caller indexes a row by column
 name. JSON columns stay JSON (`dict`); the models that give them meaning (`FrozenPrefix`, `PlanSummary`,
-`RequestInputs`, ...) are validated by the caller that needs them.
+`RequestInputs`, ...) are validated by the caller that needs them. `ItemRender` goes the other way: what a
+write stores beside each item it logs.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Production workers never import this module, and no production code reads a switch for them: a negative
 test (or `ctxengine gate ... --inject-...`) passes one of these classes to `running_worker(activities_class=)`.
-Each is a `SessionActivities` whose slot for one activity family holds a faulty subclass of that family.
+Each is a `SessionActivities` whose slot for one activity family (or for the state the families share) holds
+a faulty subclass of it.
 """
 
 from __future__ import annotations
