@@ -310,7 +310,7 @@ async def rerender_prefixes(
     return {"prefixes_rerendered": len(epochs), "prefix_bytes_identical": identical, "faults": faults}
 
 
-ItemRender = Callable[[Item, bytes], str]
+Renderer = Callable[[Item, bytes], str]  # how an item is rendered (a negative test passes a faulty one)
 
 
 def compare_item_render(
@@ -320,7 +320,7 @@ def compare_item_render(
     *,
     secret: bytes,
     counter_for: Callable[[str], TokenCounter],
-    render: ItemRender = render_item,
+    render: Renderer = render_item,
 ) -> str | None:
     """An item's render stored at write time against a fresh render and count: None, or the first difference."""
     fresh = render(item, secret)
@@ -340,7 +340,7 @@ def compare_item_render(
 
 
 async def rerender_items(
-    store: Store, session_id: str, counter_for: Callable[[str], TokenCounter], render: ItemRender = render_item
+    store: Store, session_id: str, counter_for: Callable[[str], TokenCounter], render: Renderer = render_item
 ) -> dict[str, Any]:
     """Every logged item with a render stored at write time (and a tool result's pointer): rendered and counted
     again, compared."""
