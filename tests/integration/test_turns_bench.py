@@ -47,10 +47,11 @@ async def bench_dsn(pg_server: str) -> AsyncIterator[str]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def result(temporal_address: str, temporal_client: Client, bench_dsn: str) -> dict[str, Any]:
-    """One reduced run on the fixtures' servers: 5 latency turns, 4 sessions x 2 turns, a 30-turn session, cold
-    builds of a 60-item session."""
+    """One reduced run on the fixtures' servers: 10 latency turns (20 activities for the two workers to share: with
+    5, all of them once landed on one worker of the two under the full suite's load), 4 sessions x 2 turns, a
+    30-turn session, cold builds of a 60-item session."""
     return await tb.run(
-        turns=5,
+        turns=10,
         long_turns=30,
         sessions=(4,),
         turns_per_session=2,
@@ -80,7 +81,7 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
         assert isinstance(result[key], float) and result[key] > 0, key
     for key in VERDICTS:
         assert isinstance(result[key], bool), key
-    assert result["turns"] == 5 and result["long_turns"] == 30
+    assert result["turns"] == 10 and result["long_turns"] == 30
     assert isinstance(result["worker_rss_growth_mb"], float)
     assert json.loads(json.dumps(result)) == result
     # The turn path's figures: round trips counted at the pool, a fresh process's cold builds, two workers.
