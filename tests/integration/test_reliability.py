@@ -322,6 +322,21 @@ async def test_two_workers_one_killed_twenty_sessions(
             return True if len(done) >= SESSIONS * TURNS // 3 else None
 
         await _until(a_third_done, "a third of the turns", timeout=60)
+
+        async def doomed_busy() -> bool | None:
+            # The kill must cut an activity short: wait for a model call (0.3 s each, `/sleep 0.3`) running on the
+            # doomed worker (at the moment a third of the turns are done, every running one may be on the survivor).
+            for desc in await asyncio.gather(*(h.describe() for h in handles)):
+                for pending in desc.raw_description.pending_activities:
+                    if (
+                        pending.activity_type.name == names.ACTIVITY_MODEL
+                        and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+                        and pending.last_worker_identity == doomed.identity
+                    ):
+                        return True
+            return None
+
+        await _until(doomed_busy, "an activity running on the doomed worker", timeout=30)
         doomed.kill()
         killed_after = len(done)
         assert killed_after < SESSIONS * TURNS
