@@ -19,6 +19,7 @@ from activities.minimum_body import turn_too_large
 from activities.rows import TurnReads
 from activities.session_state import (
     RECALL_LIMIT,
+    BuiltRequest,
     SessionCache,
     SessionState,
     calibrated,
@@ -87,7 +88,7 @@ class BuildActivities(BuildCalls):
         # One write: the request's body (a delta of this worker's last one, logged items by reference), its record
         # and the turn's message.
         renders = state.render_for_log(message, cache)
-        hashes, seqs = await store.store_request(
+        hashes, seqs, record = await store.store_request(
             inp.session_id,
             inp.turn,
             inp.call_index,
@@ -113,7 +114,8 @@ class BuildActivities(BuildCalls):
                 type="LogMoved",
             )
         state.joined(message, seqs, renders, cache)
-        cache.remember_request(plan.request_sha256, plan.segments, plan.prefix_sha256, body_segments, base)
+        built = BuiltRequest(plan.segments, record, reads.calibration, reads.provider_calibration)
+        cache.remember_request(plan.request_sha256, built, plan.prefix_sha256, body_segments, base)
         if len(hashes) > 1 and plan.prefix_sha256 != hashes[0].prefix_sha256:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
             epoch_prefix, _ = await state.prefix(inp.session_id, inp.epoch, cache)

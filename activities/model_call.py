@@ -44,7 +44,12 @@ class ModelCallActivities(ModelCalls):
         state, store = self.state, self.state.store
         # One read: the session, the request's record, the log since this worker's memo, the calibrations.
         open_, cache, reads = await state.call_reads(
-            inp.session_id, inp.turn, inp.call_index, inp.epoch, inp.request_sha256
+            inp.session_id,
+            inp.turn,
+            inp.call_index,
+            inp.epoch,
+            inp.request_sha256,
+            first_attempt=activity.info().attempt == 1,
         )
         record = reads.record
         if record is None or record.request_sha256 != inp.request_sha256:
@@ -68,7 +73,7 @@ class ModelCallActivities(ModelCalls):
             )
         built = cache.built.get(inp.request_sha256)
         if built is not None:  # built on this worker: no need to read the request back
-            segments = cache.provider_segments(built)
+            segments = cache.provider_segments(built.segments)
         else:  # built on another worker: its body came with the read
             stored = reads.request or await store.get_request(inp.request_sha256)
             if stored is None:

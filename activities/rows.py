@@ -212,9 +212,10 @@ class TurnReads:
 class CallReads:
     """Everything a model call reads, in one round trip (`Store.call_reads`): the session, the request's record,
     the log after the worker's memo (and after the latest checkpoint, the last position it covers: -1 for none),
-    the route's calibrations and, for a worker that did not build it, the request's body."""
+    the route's calibrations and, for a worker that did not build it, the request's body. `session` is None when
+    nothing was read: the worker that built the request answers its first attempt from its memo."""
 
-    session: StoredSession
+    session: StoredSession | None
     record: RequestRecord | None
     items: list[LiveItem]
     covers_to_seq: int

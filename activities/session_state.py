@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
-from activities.rows import CallReads, ItemRender, LiveItem, StoredSession, TurnReads
+from activities.rows import CallReads, ItemRender, LiveItem, RequestRecord, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
@@ -55,6 +55,16 @@ class StoredRender(NamedTuple):
             cache.adopt_pointer(self.item, self.tokens[key], self.pointer["text"], self.pointer["tokens"][key])
 
 
+class BuiltRequest(NamedTuple):
+    """A request this worker built: its segments, and what its model call would read (its record as the build
+    stored it and the calibrations the build read), so that call, when it runs here, reads nothing."""
+
+    segments: list[Segment]
+    record: RequestRecord | None  # None: not written (an earlier call was answered): the call reads it
+    calibration: float | None
+    provider_calibration: float | None
+
+
 class SessionCache:
     """Per-session, per-worker memo of immutable things: the log so far, prefixes, rendered items."""
 
@@ -69,7 +79,7 @@ class SessionCache:
         # its provider form, made once. And the last requests built here, handed to the model call by hash.
         self.seg_json: dict[int, tuple[Segment, dict[str, Any]]] = {}
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
-        self.built: OrderedDict[str, list[Segment]] = OrderedDict()
+        self.built: OrderedDict[str, BuiltRequest] = OrderedDict()
         self.last_body: tuple[str, str, list[Segment], int] | None = None
         # Each logged item's render stored at write time, by item id.
         self.stored: dict[str, StoredRender] = {}
@@ -150,9 +160,9 @@ class SessionCache:
         return out
 
     def remember_request(
-        self, sha: str, segments: list[Segment], prefix_sha: str, body: list[Segment], base: str | None
+        self, sha: str, built: BuiltRequest, prefix_sha: str, body: list[Segment], base: str | None
     ) -> None:
-        self.built[sha] = segments
+        self.built[sha] = built
         while len(self.built) > 2:
             self.built.popitem(last=False)
         depth = self.last_body[3] + 1 if base and self.last_body is not None else 0
@@ -323,12 +333,31 @@ class SessionState:
         return open_, secret, cache, reads
 
     async def call_reads(
-        self, session_id: str, turn: int, call_index: int, epoch: int, request_sha256: str
+        self, session_id: str, turn: int, call_index: int, epoch: int, request_sha256: str, *, first_attempt: bool
     ) -> tuple[SessionOpen, SessionCache, CallReads]:
         """What a model call reads, in one round trip, with the session's memo brought up to date from it; the
-        request's body too when this worker did not build it."""
+        request's body too when this worker did not build it.
+
+        The first attempt of a call on the worker that built its request reads nothing: the build has just
+        brought the memo up to date, stored the record (not answered yet, or it would not have been written) and
+        read the calibrations. A retry reads, for the reply an earlier attempt may have logged."""
         before = self.cached(session_id)
-        built_here = before is not None and request_sha256 in before.built
+        built = before.built.get(request_sha256) if before is not None else None
+        if first_attempt and built is not None and built.record is not None and before is not None:
+            assert before.open is not None  # the build remembered the session
+            return (
+                before.open,
+                before,
+                CallReads(
+                    session=None,
+                    record=built.record,
+                    items=[],
+                    covers_to_seq=before.floor,
+                    calibration=built.calibration,
+                    provider_calibration=built.provider_calibration,
+                ),
+            )
+        built_here = built is not None
         reads = await self.store.call_reads(
             session_id,
             turn,
@@ -339,6 +368,7 @@ class SessionState:
         )
         if reads is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        assert reads.session is not None
         open_, _, cache = self.remember(session_id, reads.session)
         if cache is not before and before is not None:  # another session under the id: read it whole
             await self.items(session_id, cache)

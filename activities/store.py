@@ -209,6 +209,7 @@ WITH body AS (
         estimated_tokens = EXCLUDED.estimated_tokens, raw_tokens = EXCLUDED.raw_tokens, plan = EXCLUDED.plan,
         inputs = EXCLUDED.inputs
     WHERE request_records.actual_input_tokens IS NULL
+    RETURNING *
 ), seen AS (
     INSERT INTO request_prefixes (session_id, epoch, prefix_sha256, first_turn, first_call_index)
     VALUES ($1, $4, $5, $2, $3) ON CONFLICT DO NOTHING
@@ -225,7 +226,7 @@ SELECT (
             UNION ALL SELECT $5, $2
         ) AS r GROUP BY prefix_sha256
     ) AS p
-) AS prefixes, """
+) AS prefixes, (SELECT to_jsonb(r) FROM record r) AS record, """
     + APPENDED
 )
 SQL_GET_RECORD = "SELECT * FROM request_records WHERE session_id = $1 AND turn = $2 AND call_index = $3"
@@ -449,6 +450,13 @@ def _row(cls: type[R], record: Mapping[str, Any]) -> R:
     if names is None:
         names = _COLUMNS[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return cls(**{name: record[name] for name in names})
+
+
+def _record(data: Mapping[str, Any] | None) -> RequestRecord | None:
+    """A request record read as JSON (`to_jsonb` of its row)."""
+    if data is None:
+        return None
+    return _row(RequestRecord, {**data, "created_at": datetime.fromisoformat(data["created_at"])})
 
 
 def _all(cls: type[R], records: Sequence[Mapping[str, Any]]) -> list[R]:
@@ -741,10 +749,10 @@ class Store:
         keep: int = 0,
         append: Sequence[dict[str, Any]] = (),
         renders: Sequence[ItemRender] | None = None,
-    ) -> tuple[list[EpochPrefix], list[int]]:
+    ) -> tuple[list[EpochPrefix], list[int], RequestRecord | None]:
         """The request's body and record, and `append` (the turn's message, when it is logged with the request),
-        in one round trip. Returns the epoch's distinct prefix hashes and the appended items' seqs (as
-        `append_items` does).
+        in one round trip. Returns the epoch's distinct prefix hashes, the appended items' seqs (as `append_items`
+        does) and the record as stored (None when it was not written: the call was already answered).
 
         The body is stored as a link: the first `keep` segments of request `base` (None: none), then `body`, whose
         entries are segments or references to a logged item's stored segment (`{"ref": item id}`, its count
@@ -765,7 +773,7 @@ class Store:
             stored,
             _entries(append, renders),
         )
-        return [EpochPrefix(**p) for p in row["prefixes"]], _appended(row, append)
+        return [EpochPrefix(**p) for p in row["prefixes"]], _appended(row, append), _record(row["record"])
 
     async def get_record(self, session_id: str, turn: int, call_index: int) -> RequestRecord | None:
         row = await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)
@@ -784,14 +792,9 @@ class Store:
         )
         if row is None:
             return None
-        record = None
-        if row["record"] is not None:
-            data = dict(row["record"])
-            data["created_at"] = datetime.fromisoformat(data["created_at"])
-            record = _row(RequestRecord, data)
         return CallReads(
             session=_row(StoredSession, row),
-            record=record,
+            record=_record(row["record"]),
             items=_live(row),
             covers_to_seq=int(row["covers_to_seq"]),
             calibration=float(row["calibration"]) if row["calibration"] is not None else None,

@@ -36,7 +36,7 @@ async def _build(acts: SessionActivities, session_id: str, turn: int, text: str)
     cache = acts.state.cached(session_id)
     assert cache is not None
     prefix, _ = cache.prefixes[1]
-    built = cache.built[result.plan.request_sha256][len(prefix.segments) :]
+    built = cache.built[result.plan.request_sha256].segments[len(prefix.segments) :]
     return result.plan.request_sha256, [seg.model_dump(mode="json") for seg in built]
 
 
@@ -169,7 +169,7 @@ async def test_a_cold_build_under_pressure_reads_its_pointers(pg_dsn: str) -> No
         assert result.plan.pointers > 0
         memo = cold.state.cached(session_id)
         assert memo is not None
-        built = memo.built[result.plan.request_sha256]
+        built = memo.built[result.plan.request_sha256].segments
         pointers = [seg for seg in built if seg.kind == "elided_span"]
         assert len(pointers) == result.plan.pointers
         for seg in pointers:

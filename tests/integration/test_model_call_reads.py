@@ -1,0 +1,116 @@
+"""What a model call reads, on a real PostgreSQL (the activities run in an ActivityEnvironment, no Temporal): the
+first attempt on the worker that built the request reads nothing, a retry and another worker read, and neither
+asks the model twice for one request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.provider import ModelProvider, ProviderReply, ProviderRequest
+from activities.providers import build_providers
+from activities.session import SessionActivities
+from activities.store import Store
+from contract.payloads import BuildInput, ModelInput
+from harness.bench import cold_build
+from harness.bench.measure import CountingPool, DbCounts
+
+pytestmark = pytest.mark.integration
+
+NOW = "2026-01-01T00:00:00+00:00"
+
+
+class CountedModel:
+    """The scripted model, counting the requests it answers."""
+
+    def __init__(self, inner: ModelProvider) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        self.calls += 1
+        return await self.inner.complete(request)
+
+
+def _env(attempt: int) -> ActivityEnvironment:
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, attempt=attempt)
+    return env
+
+
+async def test_the_building_worker_reads_nothing_on_a_first_attempt_and_a_retry_never_asks_twice(pg_dsn: str) -> None:
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, last = await cold_build.seed(store, 12)
+        providers = build_providers()
+        model = CountedModel(providers["scripted"])
+        providers["scripted"] = model
+        db = DbCounts()
+        acts = SessionActivities(Store(CountingPool(store.pool, db)), providers)
+        turn = last + 1
+        built = await ActivityEnvironment().run(
+            acts.build.build_context,
+            BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="status?"),
+        )
+        inp = ModelInput(
+            session_id=session_id, turn=turn, call_index=0, epoch=1, request_sha256=built.plan.request_sha256
+        )
+
+        start = sum(db.snapshot()[0].values())
+
+        def trips() -> int:
+            return sum(db.snapshot()[0].values()) - start
+
+        first = await _env(1).run(acts.model_call.call_model, inp)
+        # One round trip: the outcome's write. The record, the log and the calibrations came from the build.
+        assert (trips(), model.calls) == (1, 1)
+        record = await store.get_record(session_id, turn, 0)
+        assert record is not None and record.actual_input_tokens == first.input_tokens
+
+        # A retry on the same worker (the first attempt's completion was lost): it reads, finds the reply logged
+        # and returns it without asking the model again.
+        again = await _env(2).run(acts.model_call.call_model, inp)
+        assert again == first and model.calls == 1
+        assert trips() == 2  # the read only: nothing is written twice
+        # A first attempt on another worker (the same call, retried there): it reads, and does not ask either.
+        other = SessionActivities(store, providers)
+        assert await _env(1).run(other.model_call.call_model, inp) == first and model.calls == 1
+        reply = [i.payload["id"] for i in await store.load_items(session_id) if i.turn == turn]
+        assert reply == [f"u:{turn}", f"t{turn}.m0.text"]  # the message and one reply, logged once
+
+
+async def test_a_build_of_an_answered_call_writes_no_record_and_its_call_asks_nothing(pg_dsn: str) -> None:
+    """A build of a call already answered (built again on a fresh worker) does not replace the record, so its
+    worker has no record to answer the model call from: the call reads the stored one, whose request is the
+    answered one, and fails naming the request without asking the model."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, last = await cold_build.seed(store, 12)
+        providers = build_providers()
+        model = CountedModel(providers["scripted"])
+        providers["scripted"] = model
+        acts = SessionActivities(store, providers)
+        turn = last + 1
+        inp = BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="status?")
+        built = await ActivityEnvironment().run(acts.build.build_context, inp)
+        call = ModelInput(
+            session_id=session_id, turn=turn, call_index=0, epoch=1, request_sha256=built.plan.request_sha256
+        )
+        answered = await _env(1).run(acts.model_call.call_model, call)
+        fresh = SessionActivities(store, providers)
+        again = await ActivityEnvironment().run(
+            fresh.build.build_context, inp.model_copy(update={"user_text": None, "user_item_id": f"u:{turn}"})
+        )
+        memo = fresh.state.cached(session_id)
+        assert memo is not None and memo.built[again.plan.request_sha256].record is None
+        with pytest.raises(ApplicationError, match="no stored request") as failed:
+            await _env(1).run(
+                fresh.model_call.call_model, call.model_copy(update={"request_sha256": again.plan.request_sha256})
+            )
+        assert failed.value.type == "UnknownRequest" and model.calls == 1
+        record = await store.get_record(session_id, turn, 0)
+        assert record is not None and record.request_sha256 == built.plan.request_sha256
+        assert record.actual_input_tokens == answered.input_tokens
