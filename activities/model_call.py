@@ -191,6 +191,7 @@ class ModelCallActivities(ModelCalls):
             group_after_seq=int(record.inputs.get("max_seq", -1)),
             renders=renders,
         )
+        cache.answered(inp.request_sha256)
         if added:
             state.logged_event(inp.session_id, EventType.ESTIMATOR_RECONCILED, inp.turn, inp.epoch, payload)
         state.joined(new_items, seqs, renders, cache)

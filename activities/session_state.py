@@ -168,6 +168,13 @@ class SessionCache:
         depth = self.last_body[3] + 1 if base and self.last_body is not None else 0
         self.last_body = (sha, prefix_sha, body, depth)
 
+    def answered(self, sha: str) -> None:
+        """The call of request `sha` has stored its outcome: its memoised record says unanswered no more, so a later
+        call of the request on this worker reads the stored one (and returns the logged reply, never asking twice)."""
+        built = self.built.get(sha)
+        if built is not None and built.record is not None:
+            self.built[sha] = built._replace(record=None)
+
     def delta_base(self, prefix_sha: str, body: list[Segment]) -> tuple[str | None, int]:
         """The previous request stored from this worker, and how many leading body segments it shares with
         `body` (by identity): the new request is stored as that base plus the rest."""

@@ -75,6 +75,10 @@ async def test_the_building_worker_reads_nothing_on_a_first_attempt_and_a_retry_
         again = await _env(2).run(acts.model_call.call_model, inp)
         assert again == first and model.calls == 1
         assert trips() == 2  # the read only: nothing is written twice
+        # Another first attempt on the same worker (the call scheduled again): the memo knows it was answered, so
+        # it reads too.
+        assert await _env(1).run(acts.model_call.call_model, inp) == first and model.calls == 1
+        assert trips() == 3
         # A first attempt on another worker (the same call, retried there): it reads, and does not ask either.
         other = SessionActivities(store, providers)
         assert await _env(1).run(other.model_call.call_model, inp) == first and model.calls == 1
