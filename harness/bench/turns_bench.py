@@ -321,6 +321,40 @@ class _RunHistory:
     workflow_tasks: int
     updates: int
     children: int
+    # In order: each build's and each model call's run time (started to completed, s), each workflow task's.
+    builds: list[float]
+    model_calls: list[float]
+    workflow_tasks_s: list[float]
+
+
+def _event_s(e: Any) -> float:
+    return float(e.event_time.seconds) + float(e.event_time.nanos) / 1e9
+
+
+def _run_times(events: list[Any]) -> tuple[list[float], list[float], list[float]]:
+    """From one run's history: the run time of each build, of each model call and of each workflow task, in order."""
+    by_id = {e.event_id: e for e in events}
+    builds: list[float] = []
+    calls: list[float] = []
+    wft: list[float] = []
+    for e in events:
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            attrs = e.activity_task_completed_event_attributes
+            name = by_id[attrs.scheduled_event_id].activity_task_scheduled_event_attributes.activity_type.name
+            took = _event_s(e) - _event_s(by_id[attrs.started_event_id])
+            if name == names.ACTIVITY_BUILD:
+                builds.append(took)
+            elif name == names.ACTIVITY_MODEL:
+                calls.append(took)
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            wft.append(_event_s(e) - _event_s(by_id[e.workflow_task_completed_event_attributes.started_event_id]))
+    return builds, calls, wft
+
+
+def _by_tenth(values: list[float]) -> list[float]:
+    """The p50 of each tenth of `values`, in ms."""
+    tenth = max(1, len(values) // 10)
+    return [_ms(percentile(values[k * tenth : (k + 1) * tenth], 50)) for k in range(10) if values[k * tenth :]]
 
 
 async def _history_chain(client: Client, workflow_id: str, first_run_id: str) -> list[_RunHistory]:
@@ -332,6 +366,7 @@ async def _history_chain(client: Client, workflow_id: str, first_run_id: str) ->
         events = list(history.events)
         sizes = [e.ByteSize() for e in events]
         kinds = [e.event_type for e in events]
+        builds, calls, wft = _run_times(events)
         runs.append(
             _RunHistory(
                 run_id=run_id,
@@ -342,6 +377,9 @@ async def _history_chain(client: Client, workflow_id: str, first_run_id: str) ->
                 workflow_tasks=kinds.count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED),
                 updates=kinds.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED),
                 children=kinds.count(EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED),
+                builds=builds,
+                model_calls=calls,
+                workflow_tasks_s=wft,
             )
         )
         last = events[-1] if events else None
@@ -365,9 +403,6 @@ async def _turn_breakdown(client: Client, handle: WorkflowHandle[Any, Any], sinc
     by_id = {e.event_id: e for e in events}
     mine = events[since:]
 
-    def at(e: Any) -> float:
-        return float(e.event_time.seconds) + float(e.event_time.nanos) / 1e9
-
     runs: dict[str, list[float]] = {}
     to_start: list[float] = []
     wft: list[float] = []
@@ -376,11 +411,11 @@ async def _turn_breakdown(client: Client, handle: WorkflowHandle[Any, Any], sinc
             attrs = e.activity_task_completed_event_attributes
             scheduled, started = by_id[attrs.scheduled_event_id], by_id[attrs.started_event_id]
             name = scheduled.activity_task_scheduled_event_attributes.activity_type.name
-            runs.setdefault(name, []).append(at(e) - at(started))
-            to_start.append(at(started) - at(scheduled))
+            runs.setdefault(name, []).append(_event_s(e) - _event_s(started))
+            to_start.append(_event_s(started) - _event_s(scheduled))
         elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
             started = by_id[e.workflow_task_completed_event_attributes.started_event_id]
-            wft.append(at(e) - at(started))
+            wft.append(_event_s(e) - _event_s(started))
     kinds = [e.event_type for e in mine]
     out: dict[str, float] = {
         "history_events_per_turn": round(len(mine) / turns, 2),
@@ -618,6 +653,7 @@ async def _measure(
             await engine(_plain_text(0))
             await floor(_plain_text(0))
             rss = [_rss_mb()]
+            db_s = [sum(db.snapshot()[1].values())]  # the in-process worker's PostgreSQL time, at each tenth
             long_lat: list[float] = []
             control_lat: list[float] = []
             error: str | None = None
@@ -631,6 +667,7 @@ async def _measure(
                 tick(1)
                 if i % max(1, long_turns // 10) == 0:
                     rss.append(_rss_mb())
+                    db_s.append(sum(db.snapshot()[1].values()))
             rss.append(_rss_mb())
             rss.append(_rss_mb())
             done = len(long_lat)
@@ -648,6 +685,17 @@ async def _measure(
                 out["long_p95_ms"] = _ms(percentile(long_lat, 95))
                 for k in range(10):
                     out[f"long_p50_ms_tenth_{k + 1:02d}"] = _ms(percentile(long_lat[k * tenth : (k + 1) * tenth], 50))
+                # Where a tenth's time went (explanatory: no target applies): the server's record of each build's,
+                # model call's and workflow task's run time, and the worker's PostgreSQL time per turn.
+                per_turn_s = [b - a for a, b in itertools.pairwise(db_s)]
+                out["long_by_tenth"] = {
+                    "p50_ms": [out[f"long_p50_ms_tenth_{k + 1:02d}"] for k in range(10)],
+                    "floor_p50_ms": _by_tenth(control_lat),
+                    "build_p50_ms": _by_tenth([t for r in runs for t in r.builds]),
+                    "model_call_p50_ms": _by_tenth([t for r in runs for t in r.model_calls]),
+                    "workflow_task_p50_ms": _by_tenth([t for r in runs for t in r.workflow_tasks_s]),
+                    "postgres_ms_per_turn": [round(d * 1000 / max(1, long_turns // 10), 2) for d in per_turn_s],
+                }
                 floor_first = percentile(control_lat[:tenth], 50)
                 floor_last = percentile(control_lat[-tenth:], 50)
                 out["floor_long_first_10pct_p50_ms"] = _ms(floor_first)

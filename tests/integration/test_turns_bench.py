@@ -95,6 +95,12 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
         for proc in ("worker", "temporal"):
             assert result[f"{side}_{proc}_cpu_ms_per_turn_4_sessions"] > 0, (side, proc)
     assert result["engine_postgres_cpu_ms_per_turn_4_sessions"] > 0
+    # Where each tenth of the long session's time went: the server's records of its activities and workflow
+    # tasks (31 builds and model calls: the opening turn's too), the worker's PostgreSQL time.
+    tenths = result["long_by_tenth"]
+    assert tenths["p50_ms"] == [result[f"long_p50_ms_tenth_{k:02d}"] for k in range(1, 11)]
+    for key in ("floor_p50_ms", "build_p50_ms", "model_call_p50_ms", "workflow_task_p50_ms", "postgres_ms_per_turn"):
+        assert len(tenths[key]) == 10 and all(v > 0 for v in tenths[key]), key
     # Ratios and verdicts come last.
     keys = list(result)
     assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
