@@ -42,6 +42,9 @@ def _env(attempt: int) -> ActivityEnvironment:
 
 
 async def test_the_building_worker_reads_nothing_on_a_first_attempt_and_a_retry_never_asks_twice(pg_dsn: str) -> None:
+    """Round trips counted at the pool, model requests counted by the model: the building worker's first attempt
+    writes once and reads nothing; every later call of the request (a retry, the call scheduled again, another
+    worker) reads the record and the logged reply and returns it without asking the model."""
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, last = await cold_build.seed(store, 12)
