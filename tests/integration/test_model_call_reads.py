@@ -35,6 +35,15 @@ class CountedModel:
         return await self.inner.complete(request)
 
 
+async def _seeded(store: Store) -> tuple[str, int, dict[str, ModelProvider], CountedModel]:
+    """A session with 12 logged items, its next turn, and the providers with the scripted model counted."""
+    await store.migrate()
+    session_id, last = await cold_build.seed(store, 12)
+    providers = build_providers()
+    model = providers["scripted"] = CountedModel(providers["scripted"])
+    return session_id, last + 1, providers, model
+
+
 def _env(attempt: int) -> ActivityEnvironment:
     env = ActivityEnvironment()
     env.info = dataclasses.replace(env.info, attempt=attempt)
@@ -46,14 +55,9 @@ async def test_the_building_worker_reads_nothing_on_a_first_attempt_and_a_retry_
     writes once and reads nothing; every later call of the request (a retry, the call scheduled again, another
     worker) reads the record and the logged reply and returns it without asking the model."""
     async with Store.from_dsn(pg_dsn) as store:
-        await store.migrate()
-        session_id, last = await cold_build.seed(store, 12)
-        providers = build_providers()
-        model = CountedModel(providers["scripted"])
-        providers["scripted"] = model
+        session_id, turn, providers, model = await _seeded(store)
         db = DbCounts()
         acts = SessionActivities(Store(CountingPool(store.pool, db)), providers)
-        turn = last + 1
         built = await ActivityEnvironment().run(
             acts.build.build_context,
             BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="status?"),
@@ -94,13 +98,8 @@ async def test_a_build_of_an_answered_call_writes_no_record_and_its_call_asks_no
     worker has no record to answer the model call from: the call reads the stored one, whose request is the
     answered one, and fails naming the request without asking the model."""
     async with Store.from_dsn(pg_dsn) as store:
-        await store.migrate()
-        session_id, last = await cold_build.seed(store, 12)
-        providers = build_providers()
-        model = CountedModel(providers["scripted"])
-        providers["scripted"] = model
+        session_id, turn, providers, model = await _seeded(store)
         acts = SessionActivities(store, providers)
-        turn = last + 1
         inp = BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="status?")
         built = await ActivityEnvironment().run(acts.build.build_context, inp)
         call = ModelInput(
