@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import importlib.util
 import itertools
 import logging
 import shutil
@@ -64,7 +65,7 @@ from harness.bench.floor_workflow import (
 from harness.bench.measure import CountingPool, DbCounts, percentile
 from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
-from worker import connect, running_worker
+from worker import connect, running_worker, tuned_gc
 
 # Targets from the turn-path issue (docs/benchmarks.md, "bench turns").
 OVERHEAD_TARGET = 1.25  # engine p50 within 1.25x of the floor's
@@ -266,12 +267,53 @@ async def _timed(turn: Turn, text: str) -> float:
 CPU_OF = ("temporal", "postgres")  # the embedded services' processes, by name (none when they are external)
 
 
+def _workflows_compiled() -> bool:
+    """Whether every workflow module has bytecode as new as its source (`make install` compiles it). Without it the
+    workflow sandbox compiles their source again for every new workflow instance (docs/operations.md)."""
+    return compiled([m.__file__ or "" for name, m in sys.modules.items() if name.split(".")[0] == "workflows"])
+
+
+def compiled(sources: Sequence[str]) -> bool:
+    """Whether each of `sources` (module files) has bytecode in its `__pycache__` at least as new as itself."""
+    for source in map(Path, sources):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        if not cached.exists() or cached.stat().st_mtime < source.stat().st_mtime:
+            return False
+    return bool(sources)
+
+
+class _GcTime:
+    """The seconds this process has spent in garbage collections while counted (`counted()`: a gc callback)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        gc.callbacks.append(self)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self)
+
+
+_GC_TIME = _GcTime()
+
+
 def _cpu_s() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process (the in-process engine and floor workers and the bench's
-    client) and of the Temporal server's and PostgreSQL's processes it started (the embedded services)."""
+    client), of which in garbage collections (`worker_gc`, wall time), and of the Temporal server's and
+    PostgreSQL's processes it started (the embedded services)."""
     me = psutil.Process()
     mine = me.cpu_times()
-    out = {"worker": mine.user + mine.system, **dict.fromkeys(CPU_OF, 0.0)}
+    out = {"worker": mine.user + mine.system, "worker_gc": _GC_TIME.seconds, **dict.fromkeys(CPU_OF, 0.0)}
     for proc in me.children(recursive=True):
         try:
             name, times = proc.name(), proc.cpu_times()
@@ -491,19 +533,21 @@ async def run(
             client = await connect(address_, namespace)
             async with Store.from_dsn(dsn_) as store:
                 await store.migrate()
-                return await _measure(
-                    client,
-                    store,
-                    address=address_,
-                    turns=turns,
-                    long_turns=long_turns,
-                    progress=progress,
-                    sessions=sorted(set(sessions)),
-                    turns_per_session=turns_per_session,
-                    throughput_rounds=throughput_rounds,
-                    warmup_turns=warmup_turns,
-                    cold=(dsn_, sorted(set(cold_items)), cold_rounds),
-                )
+                # As worker.py once started, for the in-process workers (engine and floor alike).
+                with tuned_gc(), _GC_TIME.counted():
+                    return await _measure(
+                        client,
+                        store,
+                        address=address_,
+                        turns=turns,
+                        long_turns=long_turns,
+                        progress=progress,
+                        sessions=sorted(set(sessions)),
+                        turns_per_session=turns_per_session,
+                        throughput_rounds=throughput_rounds,
+                        warmup_turns=warmup_turns,
+                        cold=(dsn_, sorted(set(cold_items)), cold_rounds),
+                    )
 
 
 async def _measure(
@@ -588,6 +632,7 @@ async def _measure(
                 lone_lat.append(await _timed(engine_lone, _plain_text(i)))
                 tick(5)
             out["turns"] = turns
+            out["workflow_modules_compiled"] = _workflows_compiled()
             out["engine_p50_ms"] = _ms(percentile(engine_lat, 50))
             out["engine_p95_ms"] = _ms(percentile(engine_lat, 95))
             out["floor_p50_ms"] = _ms(percentile(floor_lat, 50))

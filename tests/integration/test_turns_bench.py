@@ -84,6 +84,8 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     assert result["turns"] == 10 and result["long_turns"] == 30
     assert isinstance(result["worker_rss_growth_mb"], float)
     assert json.loads(json.dumps(result)) == result
+    # Whether the workflow modules had bytecode (`compiled` is tested in tests/unit/test_worker_runtime.py).
+    assert isinstance(result["workflow_modules_compiled"], bool)
     # The turn path's figures: round trips counted at the pool, a fresh process's cold builds, two workers.
     assert result["pg_round_trips_per_plain_turn"] > 0
     assert result["cold_build_p50_ms_60"] > 0 and result["cold_build_pg_round_trips_60"] > 0
@@ -95,6 +97,12 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
         for proc in ("worker", "temporal"):
             assert result[f"{side}_{proc}_cpu_ms_per_turn_4_sessions"] > 0, (side, proc)
     assert result["engine_postgres_cpu_ms_per_turn_4_sessions"] > 0
+    for side in ("engine", "floor"):  # of the bench's process, the garbage collector's part (0: it did not run)
+        assert (
+            0
+            <= result[f"{side}_worker_gc_cpu_ms_per_turn_4_sessions"]
+            <= result[f"{side}_worker_cpu_ms_per_turn_4_sessions"]
+        )
     # Where each tenth of the long session's time went: the server's records of its activities and workflow
     # tasks (31 builds and model calls: the opening turn's too), the worker's PostgreSQL time.
     tenths = result["long_by_tenth"]
