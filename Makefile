@@ -15,14 +15,17 @@ TS_EXAMPLE := examples/orchestrator-ts
 $(TS_EXAMPLE)/node_modules/.package-lock.json: $(TS_EXAMPLE)/package-lock.json
 	-command -v npm >/dev/null && cd $(TS_EXAMPLE) && npm ci --no-audit --no-fund --silent
 
-# The project's modules, compiled to bytecode at each install: the workflow sandbox imports the workflow modules
-# again for every new workflow instance, and without bytecode (an editable install under PYTHONDONTWRITEBYTECODE)
-# each of those imports compiles the source again (docs/operations.md, "Start-up of a workflow instance").
+# The project's packages (as pyproject.toml lists them for setuptools and import-linter).
 PACKAGES := core contract activities workflows services ctxengine harness
 
-.PHONY: install test demo bench lint
-install: $(STAMP) $(TS_EXAMPLE)/node_modules/.package-lock.json
-	$(BIN)/python -m compileall -q -j0 $(PACKAGES) worker.py
+.PHONY: install bytecode test demo bench lint
+install: $(STAMP) bytecode $(TS_EXAMPLE)/node_modules/.package-lock.json
+
+# The project's modules compiled at each install (only what changed): the workflow sandbox imports the workflow
+# modules again for every new workflow instance, and without bytecode (an editable install under
+# PYTHONDONTWRITEBYTECODE) each of those imports compiles the source again (docs/operations.md).
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q -j0 --invalidation-mode timestamp $(PACKAGES) worker.py
 
 # The suite on TEST_JOBS pytest-xdist workers, each with its own Temporal dev server and PostgreSQL, a test file
 # whole on one worker (tests/conftest.py). `make test TEST_JOBS=0` runs it in one process.
@@ -30,10 +33,10 @@ TEST_JOBS ?= 2
 test: install
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
-demo: install
+demo: $(STAMP) bytecode
 	$(BIN)/ctxengine demo
 
-bench: install
+bench: $(STAMP)
 	$(BIN)/ctxengine bench build --json
 
 lint: $(STAMP)

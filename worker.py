@@ -58,7 +58,8 @@ STICKY_SCHEDULE_TO_START = timedelta(seconds=1)
 # At start, PostgreSQL or Temporal may not be up yet (a host boot, a compose start): wait with backoff.
 STARTUP_WAIT_S = 120.0
 # The garbage collector's thresholds once the worker has started (`tuned_gc`): the young generation is collected
-# every 20,000 net allocations instead of 700, and the older ones as often as CPython's default ratios make them.
+# every 20,000 net allocations instead of CPython's 700, the middle one every 20 of those (CPython: 10) and the
+# oldest, at most, every 20 of the middle one's (CPython: 10; and only once its long-lived objects grew by 25%).
 GC_THRESHOLDS = (20_000, 20, 20)
 
 
@@ -189,15 +190,15 @@ async def running_worker(
 
 @contextmanager
 def tuned_gc() -> Iterator[None]:
-    """Keep the garbage collector off a started worker's hot path (docs/operations.md, "Garbage collection");
-    CPython's settings again on exit.
+    """Keep the garbage collector off a started worker's hot path (docs/operations.md, "A worker process's run
+    time"); the thresholds as they were on exit, and the heap unfrozen unless it was frozen before.
 
     A worker's heap is mostly long-lived: its imports, the cached workflows, the sessions' memos. With CPython's
     defaults a full collection walks all of it every time the long-lived objects have grown by a quarter, and
     the young generation is collected every 700 allocations. So what start-up made moves out of the collector's
     view (`gc.freeze`), and the young generation is collected less often (`GC_THRESHOLDS`). Cycles are still
     collected; they wait longer."""
-    before = gc.get_threshold()
+    before, frozen_before = gc.get_threshold(), gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -205,7 +206,8 @@ def tuned_gc() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*before)
-        gc.unfreeze()
+        if not frozen_before:  # a freeze made before (a pre-fork one, an outer tuned_gc) stays
+            gc.unfreeze()
 
 
 T = TypeVar("T")
@@ -265,7 +267,7 @@ async def main() -> None:
             embedded_services=embedded,
             eager_activities=config.eager_activities,
         ):
-            with tuned_gc():
+            with tuned_gc():  # once started, so what the worker made at start-up is frozen too
                 await asyncio.Event().wait()
 
 

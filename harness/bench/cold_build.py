@@ -132,7 +132,7 @@ async def seed(store: Store, items: int) -> tuple[str, int]:
 
 async def _measure(dsn: str, session_id: str, last_turn: int, rounds: int) -> dict[str, Any]:
     async with Store.from_dsn(dsn) as store:
-        with tuned_gc():  # as worker.py once started
+        with tuned_gc():  # a started worker's garbage-collector settings (worker.py: once its worker started)
             return await _timed_builds(store, session_id, last_turn, rounds)
 
 

@@ -1,11 +1,15 @@
-"""What the benches measure with: percentiles, and PostgreSQL round trips counted at the pool."""
+"""What the benches measure with: percentiles, PostgreSQL round trips counted at the pool, the time garbage
+collections take, and whether modules have current bytecode."""
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 from temporalio import activity
@@ -78,3 +82,47 @@ class CountingPool(CountingConnection):
     async def acquire(self, *args: Any, **kwargs: Any) -> AsyncIterator[CountingConnection]:
         async with self._conn.acquire(*args, **kwargs) as conn:
             yield CountingConnection(conn, self._counts)
+
+
+class GcClock:
+    """The seconds this process spends in garbage collections while counted (`counted()`: a gc callback timing
+    each collection from start to stop on the thread that runs it)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        gc.callbacks.append(self)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self)
+
+
+def compiled(sources: Sequence[str]) -> bool:
+    """Whether each of `sources` (module files) has bytecode in its `__pycache__` that the importer takes as
+    current: this Python's magic number, and the source's mtime and size recorded in a timestamp-based header
+    (a hash-based one is taken as current too: the importer checks it against the source itself)."""
+    for source in map(Path, sources):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        try:
+            header = cached.read_bytes()[:16]
+        except OSError:
+            return False
+        if len(header) < 16 or header[:4] != importlib.util.MAGIC_NUMBER:
+            return False
+        if int.from_bytes(header[4:8], "little") & 1:  # hash-based
+            continue
+        st = source.stat()
+        mtime, size = int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")
+        if (mtime, size) != (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF):
+            return False
+    return bool(sources)

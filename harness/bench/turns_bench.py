@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import functools
 import gc
-import importlib.util
 import itertools
 import logging
 import shutil
@@ -62,7 +61,7 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
-from harness.bench.measure import CountingPool, DbCounts, percentile
+from harness.bench.measure import CountingPool, DbCounts, GcClock, compiled, percentile
 from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
 from worker import connect, running_worker, tuned_gc
@@ -268,43 +267,17 @@ CPU_OF = ("temporal", "postgres")  # the embedded services' processes, by name (
 
 
 def _workflows_compiled() -> bool:
-    """Whether every workflow module has bytecode as new as its source (`make install` compiles it). Without it the
-    workflow sandbox compiles their source again for every new workflow instance (docs/operations.md)."""
-    return compiled([m.__file__ or "" for name, m in sys.modules.items() if name.split(".")[0] == "workflows"])
+    """Whether every module the workflow sandbox imports again for each workflow instance (the engine's workflow
+    modules and the floor's) has current bytecode (`make install` compiles it; docs/operations.md)."""
+    sandboxed = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "workflows" or name == FloorWorkflow.__module__
+    ]
+    return compiled([m.__file__ for m in sandboxed if m.__file__ and m.__file__.endswith(".py")])
 
 
-def compiled(sources: Sequence[str]) -> bool:
-    """Whether each of `sources` (module files) has bytecode in its `__pycache__` at least as new as itself."""
-    for source in map(Path, sources):
-        cached = Path(importlib.util.cache_from_source(str(source)))
-        if not cached.exists() or cached.stat().st_mtime < source.stat().st_mtime:
-            return False
-    return bool(sources)
-
-
-class _GcTime:
-    """The seconds this process has spent in garbage collections while counted (`counted()`: a gc callback)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
-
-    @contextmanager
-    def counted(self) -> Iterator[None]:
-        gc.callbacks.append(self)
-        try:
-            yield
-        finally:
-            gc.callbacks.remove(self)
-
-
-_GC_TIME = _GcTime()
+_GC_CLOCK = GcClock()
 
 
 def _cpu_s() -> dict[str, float]:
@@ -313,7 +286,7 @@ def _cpu_s() -> dict[str, float]:
     PostgreSQL's processes it started (the embedded services)."""
     me = psutil.Process()
     mine = me.cpu_times()
-    out = {"worker": mine.user + mine.system, "worker_gc": _GC_TIME.seconds, **dict.fromkeys(CPU_OF, 0.0)}
+    out = {"worker": mine.user + mine.system, "worker_gc": _GC_CLOCK.seconds, **dict.fromkeys(CPU_OF, 0.0)}
     for proc in me.children(recursive=True):
         try:
             name, times = proc.name(), proc.cpu_times()
@@ -533,8 +506,9 @@ async def run(
             client = await connect(address_, namespace)
             async with Store.from_dsn(dsn_) as store:
                 await store.migrate()
-                # As worker.py once started, for the in-process workers (engine and floor alike).
-                with tuned_gc(), _GC_TIME.counted():
+                # A started worker's garbage-collector settings for the in-process workers, engine and floor alike
+                # (entered here before they start; worker.py enters them once its worker has started).
+                with tuned_gc(), _GC_CLOCK.counted():
                     return await _measure(
                         client,
                         store,

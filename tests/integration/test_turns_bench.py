@@ -84,7 +84,7 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     assert result["turns"] == 10 and result["long_turns"] == 30
     assert isinstance(result["worker_rss_growth_mb"], float)
     assert json.loads(json.dumps(result)) == result
-    # Whether the workflow modules had bytecode (`compiled` is tested in tests/unit/test_worker_runtime.py).
+    # Whether the workflow modules had bytecode (`compiled` is tested in tests/unit/test_bench_measure.py).
     assert isinstance(result["workflow_modules_compiled"], bool)
     # The turn path's figures: round trips counted at the pool, a fresh process's cold builds, two workers.
     assert result["pg_round_trips_per_plain_turn"] > 0
