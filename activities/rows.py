@@ -6,7 +6,8 @@ write stores beside each item it logs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -47,15 +48,25 @@ class LoggedItem:
 
 
 @dataclass(frozen=True, slots=True)
-class LiveItem:
-    """A logged item as a worker's memo reads it (`Store.load_live_items` and the activities' reads): parsed,
-    with what was stored with it when it was logged (`LoggedItem` is the row as JSON)."""
+class LiveLog:
+    """Logged items as a worker's memo reads them (`Store.load_live_items` and the activities' reads), in log
+    order: each item parsed, with what was stored with it when it was logged (`LoggedItem` is one row as JSON).
+    Columns, not an object per row: a worker that has not seen the session reads thousands of them."""
 
-    item: HistoryItem
-    rendered: str | None  # its segment text (None: not stored)
-    tokens: dict[str, int] | None  # its raw token count per counter key
-    referable: bool  # its segment's other fields were stored too: a request body may refer to it
-    pointer: dict[str, Any] | None = None  # a tool result's pointer render: {"text", "tokens" per counter key}
+    items: list[HistoryItem] = field(default_factory=list)
+    renders: list[str | None] = field(default_factory=list)  # each one's segment text (None: not stored)
+    counts: list[dict[str, int] | None] = field(default_factory=list)  # its raw token count per counter key
+    # Whether its segment's other fields were stored too: a request body may refer to it.
+    referable: list[bool] = field(default_factory=list)
+    # A tool result's pointer render: {"text", "tokens" per counter key}.
+    pointers: list[dict[str, Any] | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def rows(self) -> Iterator[tuple[HistoryItem, str | None, dict[str, int] | None, bool, dict[str, Any] | None]]:
+        """(item, render, counts, referable, pointer) of each logged item, in log order."""
+        return zip(self.items, self.renders, self.counts, self.referable, self.pointers, strict=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +209,7 @@ class TurnReads:
     the latest checkpoint, the snapshot's corrections and the recall for the turn's message (when asked)."""
 
     session: StoredSession
-    items: list[LiveItem]
+    items: LiveLog
     prefix: StoredPrefix | None
     calibration: float | None
     provider_calibration: float | None
@@ -217,7 +228,7 @@ class CallReads:
 
     session: StoredSession | None
     record: RequestRecord | None
-    items: list[LiveItem]
+    items: LiveLog
     covers_to_seq: int
     calibration: float | None
     provider_calibration: float | None

@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
-from activities.rows import CallReads, ItemRender, LiveItem, RequestRecord, StoredSession, TurnReads
+from activities.rows import CallReads, ItemRender, LiveLog, RequestRecord, StoredSession, TurnReads
 from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
@@ -44,15 +44,6 @@ class StoredRender(NamedTuple):
     tokens: dict[str, int]  # its raw token count per counter key
     referable: bool  # its segment's other fields were stored too: a request body may refer to it
     pointer: dict[str, Any] | None  # a tool result's pointer render: {"text", "tokens" per counter key}
-
-    def taken_by(self, cache: RenderCache) -> None:
-        """`cache` takes this render (and the pointer's) when it was counted by `cache`'s counter."""
-        key = cache.counter_key
-        if key not in self.tokens:
-            return
-        cache.adopt(self.item, self.text, self.tokens[key])
-        if self.pointer is not None and key in self.pointer["tokens"] and isinstance(self.item, ToolResult):
-            cache.adopt_pointer(self.item, self.tokens[key], self.pointer["text"], self.pointer["tokens"][key])
 
 
 class BuiltRequest(NamedTuple):
@@ -83,6 +74,9 @@ class SessionCache:
         self.last_body: tuple[str, str, list[Segment], int] | None = None
         # Each logged item's render stored at write time, by item id.
         self.stored: dict[str, StoredRender] = {}
+        # Per counter key, by item id: the segment its render memo took from the item's stored render, when the
+        # store kept that segment's other fields too. A request body refers to exactly these (`stored_body`).
+        self.referable: dict[str, dict[str, Segment]] = {}
         # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
         self.by_id: dict[str, HistoryItem] = {}
         self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
@@ -121,11 +115,11 @@ class SessionCache:
         self.last_provider = (segments, out)
         return out
 
-    def catch_up(self, rows: list[LiveItem], covers_to_seq: int) -> None:
+    def catch_up(self, rows: LiveLog, covers_to_seq: int) -> None:
         """The log rows read after what the memo holds join it; then what the latest checkpoint covers (up to
         `covers_to_seq`, -1: no checkpoint) leaves it."""
-        for row in rows:
-            self.log(row.item, row.rendered, row.tokens, referable=row.referable, pointer=row.pointer)
+        for item, rendered, tokens, referable, pointer in rows.rows():
+            self.log(item, rendered, tokens, referable=referable, pointer=pointer)
         self.prune(covers_to_seq)
 
     def prune(self, covers_to_seq: int) -> None:
@@ -143,6 +137,9 @@ class SessionCache:
         for item_id in gone:
             self.by_id.pop(item_id, None)
             self.stored.pop(item_id, None)
+        for refs in self.referable.values():
+            for item_id in gone:
+                refs.pop(item_id, None)
         for cache in self.renders.values():
             cache.forget(gone)
         self.seg_json.clear()  # refilled by the next request, for the segments it still shows
@@ -187,12 +184,30 @@ class SessionCache:
         return (sha, keep) if keep else (None, 0)
 
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
+        """The session's render memo for `estimator`'s counter; a new one takes every stored render it can."""
         key = counter_key(estimator)
         if key not in self.renders:
             cache = self.renders[key] = RenderCache(self.secret, key)
+            refs = self.referable.setdefault(key, {})
             for stored in self.stored.values():
-                stored.taken_by(cache)
+                self._take(stored, cache, refs)
         return self.renders[key]
+
+    def _take(self, stored: StoredRender, cache: RenderCache, refs: dict[str, Segment]) -> None:
+        """`cache` takes `stored` (and its pointer's render) when `cache`'s counter counted it; `refs` (the
+        referable segments of `cache`'s counter) the segment made, when the store kept its other fields."""
+        tokens = stored.tokens.get(cache.counter_key)
+        if tokens is None:
+            return
+        item = stored.item
+        seg = cache.adopt(item, stored.text, tokens)
+        if stored.referable:
+            refs[item.id] = seg
+        pointer = stored.pointer
+        if pointer is not None and type(item) is ToolResult:
+            pointer_tokens = pointer["tokens"].get(cache.counter_key)
+            if pointer_tokens is not None:
+                cache.adopt_pointer(item, tokens, pointer["text"], pointer_tokens)
 
     def log(
         self,
@@ -214,29 +229,16 @@ class SessionCache:
         if rendered is None or not tokens:
             return
         stored = self.stored[item.id] = StoredRender(item, rendered, tokens, referable, pointer)
-        for cache in self.renders.values():
-            stored.taken_by(cache)
+        for key, cache in self.renders.items():
+            self._take(stored, cache, self.referable[key])
 
     def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
         """`segments` as a request body stores them: a reference (`{"ref": item id}`) for each segment that is a
-        logged item's stored render (the segment `renders` made of that very item, with the stored text and
-        count), whose fields the store keeps with the item; the segment's JSON for the others (per-request
-        segments, pointers, the turn's message, items logged before segments were stored)."""
-        key = renders.counter_key
-        out: list[dict[str, Any]] = []
-        for seg in segments:
-            item = self.by_id.get(seg.item_id)
-            entry = self.stored.get(seg.item_id) if item is not None and renders.lookup(item) is seg else None
-            if (
-                entry is not None
-                and entry.referable
-                and entry.tokens.get(key) == seg.raw_tokens
-                and entry.text == seg.text
-            ):
-                out.append({"ref": seg.item_id})
-            else:
-                out.append(self.json_of(seg))
-        return out
+        logged item's stored render (the very segment `renders` took from it, with the stored text and count),
+        whose fields the store keeps with the item; the segment's JSON for the others (per-request segments,
+        pointers, the turn's message, items logged before segments were stored)."""
+        refs = self.referable.get(renders.counter_key, {})
+        return [{"ref": seg.item_id} if refs.get(seg.item_id) is seg else self.json_of(seg) for seg in segments]
 
     def write_counter_encoding(self) -> str:
         """The encoding items are counted in when written: the latest epoch's route's, else the open's route's."""
@@ -358,7 +360,7 @@ class SessionState:
                 CallReads(
                     session=None,
                     record=built.record,
-                    items=[],
+                    items=LiveLog(),
                     covers_to_seq=before.floor,
                     calibration=built.calibration,
                     provider_calibration=built.provider_calibration,

@@ -19,7 +19,7 @@ from activities.rows import (
     CallReads,
     EpochPrefix,
     ItemRender,
-    LiveItem,
+    LiveLog,
     LoggedItem,
     MemoryCandidate,
     MemoryRow,
@@ -599,7 +599,7 @@ class Store:
     async def load_items(self, session_id: str, after_seq: int = -1) -> list[LoggedItem]:
         return _all(LoggedItem, await self.pool.fetch(SQL_LOAD_ITEMS, session_id, after_seq))
 
-    async def load_live_items(self, session_id: str, after_seq: int = -1) -> tuple[int, list[LiveItem]]:
+    async def load_live_items(self, session_id: str, after_seq: int = -1) -> tuple[int, LiveLog]:
         """The log after `after_seq` that the latest checkpoint does not cover, and the last position it covers
         (-1: no checkpoint): what a worker's memo of the session needs, in one round trip."""
         row = await self.pool.fetchrow(SQL_LIVE_ITEMS, session_id, after_seq)
@@ -1031,17 +1031,17 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
     ]
 
 
-def _live(row: Mapping[str, Any]) -> list[LiveItem]:
-    """The log read by `_live_log`, parsed."""
+def _live(row: Mapping[str, Any]) -> LiveLog:
+    """The log read by `_live_log`, parsed: its payloads in one pass, its other columns as they came."""
     if not row["payloads"]:
-        return []
-    parsed = parse_history_json(row["payloads"])
-    return [
-        LiveItem(item, rendered, tokens, referable, pointer)
-        for item, rendered, tokens, referable, pointer in zip(
-            parsed, row["renders"], row["counts"], row["referable"], row["pointers"], strict=True
-        )
-    ]
+        return LiveLog()
+    return LiveLog(
+        items=parse_history_json(row["payloads"]),
+        renders=row["renders"],
+        counts=row["counts"],
+        referable=row["referable"],
+        pointers=row["pointers"],
+    )
 
 
 def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[int]:

@@ -38,6 +38,7 @@ from core.items import (
     PlatformPolicy,
     RecallItem,
     Region,
+    Role,
     ToolDefinition,
     ToolResult,
     TurnContext,
@@ -326,23 +327,35 @@ class RenderCache:
         return seg
 
 
-_PAIRED = frozenset(t for t in ITEM_TYPES if "call_id" in t.model_fields)  # the kinds with a call id
+def _type_fields(cls: type[Item]) -> tuple[Region, BudgetClass, Role, bool]:
+    """What the segments of an item type share: region, budget class, role, and whether the kind pairs (has a
+    call id)."""
+    return cls.region, cls.budget_class, cls.role, "call_id" in cls.model_fields
+
+
+_TYPE_FIELDS = {t: _type_fields(t) for t in ITEM_TYPES}
+# Validated from a dict by pydantic-core: faster than the keyword constructor and than model_construct.
+_new_segment = Segment.model_validate
 
 
 def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
     """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
-    return Segment(  # validated: pydantic-core builds it faster than model_construct does
-        item_id=item.id,
-        kind=item.kind,
-        region=type(item).region,
-        budget_class=type(item).budget_class,
-        role=type(item).role,
-        trust=item.trust,
-        text=text,
-        raw_tokens=raw_tokens,
-        # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
-        call_id=item.call_id if type(item) in _PAIRED else None,  # type: ignore[attr-defined]
-        taints=item.taints_view(),
+    cls = type(item)
+    region, budget_class, role, paired = _TYPE_FIELDS.get(cls) or _type_fields(cls)
+    return _new_segment(
+        {
+            "item_id": item.id,
+            "kind": item.kind,
+            "region": region,
+            "budget_class": budget_class,
+            "role": role,
+            "trust": item.trust,
+            "text": text,
+            "raw_tokens": raw_tokens,
+            # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
+            "call_id": item.call_id if paired else None,  # type: ignore[attr-defined]
+            "taints": item.taints_view(),
+        }
     )
 
 

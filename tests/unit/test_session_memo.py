@@ -1,0 +1,108 @@
+"""A worker's memo of a session (`activities.session_state.SessionCache`) without PostgreSQL: the log read as
+columns joins it, its stored renders are taken instead of rendered again, a request body refers to exactly the
+segments taken from referable stored renders, and what a checkpoint covers leaves every part of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from activities.rows import LiveLog
+from activities.session_state import SessionCache
+from core.budget import ContextBudget
+from core.build import build, segment_of
+from core.item_rendering import render_item
+from core.items import HistoryItem
+from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
+
+
+def _log(items: list[HistoryItem], *, referable: bool = True, rendered: bool = True) -> LiveLog:
+    """`items` as a read of the log returns them: each with its render and count stored at write time."""
+    texts = [render_item(item, SECRET) for item in items]
+    return LiveLog(
+        items=items,
+        renders=texts if rendered else [None] * len(items),
+        counts=[{COUNTER.name: COUNTER.count(text)} for text in texts] if rendered else [None] * len(items),
+        referable=[referable] * len(items),
+        pointers=[None] * len(items),
+    )
+
+
+def test_a_cold_memo_takes_the_stored_renders_and_refers_to_them() -> None:
+    """A memo that read the log builds the request a fresh render memo builds, and stores each logged item of
+    its body as a reference; the turn's message and the per-request segments are stored whole."""
+    est = estimator()
+    inputs = body(turns=6)
+    cache = SessionCache(SECRET)
+    cache.catch_up(_log(list(inputs.history)), -1)
+    renders = cache.render_for(est)
+    assert len(renders) == len(inputs.history)  # taken, not rendered: every logged item has its segment
+    plan = build(prefix(), inputs, budget=ContextBudget(), estimator=est, secret=SECRET, cache=renders)
+    fresh = build(prefix(), inputs, budget=ContextBudget(), estimator=est, secret=SECRET)
+    assert plan.segments == fresh.segments and plan.request_sha256 == fresh.request_sha256
+    body_segments = plan.segments[len(prefix().segments) :]
+    stored = cache.stored_body(body_segments, renders)
+    logged = {item.id for item in inputs.history}
+    assert [entry.get("ref") for entry in stored if "ref" in entry] == [
+        seg.item_id for seg in body_segments if seg.item_id in logged
+    ]
+    assert {entry["item_id"] for entry in stored if "ref" not in entry} == {
+        seg.item_id for seg in body_segments if seg.item_id not in logged
+    }
+
+
+def test_only_the_segment_taken_from_a_referable_render_is_referred_to() -> None:
+    """An item logged without its segment's fields (not referable), or a segment made anew for a logged item
+    (equal, but not the one taken from its stored render), is stored whole."""
+    est = estimator()
+    items = history(2)
+    cache = SessionCache(SECRET)
+    cache.catch_up(_log(items[:2], referable=False), -1)
+    cache.catch_up(_log(items[2:]), -1)
+    renders = cache.render_for(est)
+    taken = [renders.lookup(item) for item in items]
+    assert all(seg is not None for seg in taken)
+    again = segment_of(items[-1], render_item(items[-1], SECRET), taken[-1].raw_tokens)  # type: ignore[union-attr]
+    assert again == taken[-1]
+    stored = cache.stored_body([*taken, again], renders)  # type: ignore[list-item]
+    assert ["ref" in entry for entry in stored] == [False, False] + [True] * (len(items) - 2) + [False]
+    assert stored[-1] == again.model_dump(mode="json")
+
+
+def test_an_item_logged_without_a_render_is_rendered_by_the_build() -> None:
+    """A log read without stored renders (items logged before renders were stored): the memo takes nothing and
+    refers to nothing; the build renders them."""
+    est = estimator()
+    items = history(2)
+    cache = SessionCache(SECRET)
+    cache.catch_up(_log(items, rendered=False), -1)
+    renders = cache.render_for(est)
+    assert len(renders) == 0
+    segs = [renders.segment(item, est) for item in items]
+    assert not any("ref" in entry for entry in cache.stored_body(segs, renders))
+
+
+def test_what_a_checkpoint_covers_leaves_the_memo_and_its_references() -> None:
+    """Pruned items leave the log, the stored renders, the render memo and the referable segments alike."""
+    est = estimator()
+    items = history(4)
+    cache = SessionCache(SECRET)
+    cache.catch_up(_log(items), -1)
+    renders = cache.render_for(est)
+    covered = items[: len(items) // 2]
+    cache.prune(covered[-1].seq)
+    gone = {item.id for item in covered}
+    assert not gone & set(cache.by_id) and not gone & set(cache.stored)
+    assert not gone & set(cache.referable[renders.counter_key])
+    assert all(renders.lookup(item) is None for item in covered)
+    assert [item.id for item in cache.items] == [item.id for item in items[len(covered) :]]
+
+
+def test_a_log_read_with_columns_of_different_lengths_is_refused() -> None:
+    """The columns of one read are one row each: a short column is a defect, not a silently shorter log."""
+    items = history(1)
+    log = _log(items)
+    short = LiveLog(
+        items=log.items, renders=log.renders[:-1], counts=log.counts, referable=log.referable, pointers=log.pointers
+    )
+    with pytest.raises(ValueError):
+        SessionCache(SECRET).catch_up(short, -1)
