@@ -61,9 +61,6 @@ class LiveLog:
     # A tool result's pointer render: {"text", "tokens" per counter key}.
     pointers: list[dict[str, Any] | None] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
     def rows(self) -> Iterator[tuple[HistoryItem, str | None, dict[str, int] | None, bool, dict[str, Any] | None]]:
         """(item, render, counts, referable, pointer) of each logged item, in log order."""
         return zip(self.items, self.renders, self.counts, self.referable, self.pointers, strict=True)

@@ -230,7 +230,7 @@ class SessionCache:
             return
         stored = self.stored[item.id] = StoredRender(item, rendered, tokens, referable, pointer)
         for key, cache in self.renders.items():
-            self._take(stored, cache, self.referable[key])
+            self._take(stored, cache, self.referable.setdefault(key, {}))
 
     def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
         """`segments` as a request body stores them: a reference (`{"ref": item id}`) for each segment that is a
