@@ -74,14 +74,16 @@ class ModelCallActivities(ModelCalls):
         built = cache.built.get(inp.request_sha256)
         if built is not None:  # built on this worker: no need to read the request back
             segments = cache.provider_segments(built.segments)
-        else:  # built on another worker: its body came with the read
-            stored = reads.request or await store.get_request(inp.request_sha256)
-            if stored is None:
-                raise ApplicationError(
-                    f"no stored body for request {inp.request_sha256}", type="UnknownRequest", non_retryable=True
-                )
-            segments = [cache.provider_of(s) for s in prefix.segments]
-            segments += [provider_segment(s) for s in stored.body]
+        else:  # built on another worker: its body came with the read, the items it refers to are in the memo
+            body = cache.resolved(inp.session_id, reads.request.body) if reads.request is not None else None
+            if body is None:  # not read, or naming items the memo does not hold: read it whole
+                stored = await store.get_request(inp.request_sha256)
+                if stored is None:
+                    raise ApplicationError(
+                        f"no stored body for request {inp.request_sha256}", type="UnknownRequest", non_retryable=True
+                    )
+                body = [provider_segment(s) for s in stored.body]
+            segments = [cache.provider_of(s) for s in prefix.segments] + body
         provider = state.providers.get(epoch_profile.provider)
         if provider is None:
             raise ApplicationError(

@@ -101,7 +101,8 @@ class StoredPrefix:
 
 @dataclass(frozen=True, slots=True)
 class StoredRequest:
-    """A rendered request: its prefix hash and its body segments (as JSON), whole."""
+    """A rendered request: its prefix hash and its body segments (as JSON), whole; or, as a model call reads it,
+    with references to logged items left in (`{"ref", "session", "counter"}`: its worker's memo holds them)."""
 
     prefix_sha256: str
     body: list[dict[str, Any]]
@@ -220,8 +221,10 @@ class TurnReads:
 class CallReads:
     """Everything a model call reads, in one round trip (`Store.call_reads`): the session, the request's record,
     the log after the worker's memo (and after the latest checkpoint, the last position it covers: -1 for none),
-    the route's calibrations and, for a worker that did not build it, the request's body. `session` is None when
-    nothing was read: the worker that built the request answers its first attempt from its memo."""
+    the route's calibrations and, for a worker that did not build it, the request's body with its references to
+    logged items left in (`SessionCache.resolved` takes them from the memo this read brings up to date).
+    `session` is None when nothing was read: the worker that built the request answers its first attempt from
+    its memo."""
 
     session: StoredSession | None
     record: RequestRecord | None

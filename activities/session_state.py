@@ -184,8 +184,11 @@ class SessionCache:
         return (sha, keep) if keep else (None, 0)
 
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
-        """The session's render memo for `estimator`'s counter; a new one takes every stored render it can."""
-        key = counter_key(estimator)
+        """The session's render memo for `estimator`'s counter."""
+        return self.render_memo(counter_key(estimator))
+
+    def render_memo(self, key: str) -> RenderCache:
+        """The session's render memo for the counter `key`; a new one takes every stored render it can."""
         if key not in self.renders:
             cache = self.renders[key] = RenderCache(self.secret, key)
             refs = self.referable.setdefault(key, {})
@@ -239,6 +242,27 @@ class SessionCache:
         pointers, the turn's message, items logged before segments were stored)."""
         refs = self.referable.get(renders.counter_key, {})
         return [{"ref": seg.item_id} if refs.get(seg.item_id) is seg else self.json_of(seg) for seg in segments]
+
+    def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
+        """A stored request body of this session (`StoredRequest`, references left in) in the provider port's
+        form, each reference (`{"ref", "session", "counter"}`) the segment this memo took from the item's stored
+        render: the one the body was stored with, which the store would expand it to (`EXPANDED_BODY`). None
+        when a reference names an item the memo does not hold (another session's, or one a checkpoint pruned)."""
+        out: list[ProviderSegment] = []
+        for entry in body:
+            item_id = entry.get("ref")
+            if item_id is None:
+                out.append(provider_segment(entry))
+                continue
+            if entry["session"] != session_id:
+                return None
+            key = entry["counter"]
+            self.render_memo(key)  # made (taking the stored renders) when this worker has not counted with it
+            seg = self.referable[key].get(item_id)
+            if seg is None:
+                return None
+            out.append(self.provider_of(seg))
+        return out
 
     def write_counter_encoding(self) -> str:
         """The encoding items are counted in when written: the latest epoch's route's, else the open's route's."""

@@ -313,6 +313,7 @@ WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT).rep
 )
 # The model call's reads in one round trip (Store.call_reads): $1 session, $2 turn, $3 call index, $4 log position
 # already memoised, $5 epoch, $6 the request whose body to read (NULL: this worker built it), $7 the chain limit.
+# The body's links come as stored: the worker's memo holds the logged items their references name.
 SQL_CALL_READS = (
     """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
@@ -328,9 +329,7 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
     WITH RECURSIVE """
     + _chain_cte("$6::text", "$7")
     + """
-    SELECT json_agg(json_build_object('prefix_sha256', prefix_sha256, 'body', """
-    + EXPANDED_BODY
-    + """) ORDER BY depth) FROM chain
+    SELECT json_agg(json_build_object('prefix_sha256', prefix_sha256, 'body', body) ORDER BY depth) FROM chain
   ) END AS chain
 FROM sessions s
 LEFT JOIN LATERAL ("""
@@ -801,7 +800,7 @@ class Store:
             provider_calibration=float(row["provider_calibration"])
             if row["provider_calibration"] is not None
             else None,
-            request=_whole(request, row["chain"] or []) if request is not None else None,
+            request=_composed(request, row["chain"] or []) if request is not None else None,
         )
 
     async def record_outcome(
@@ -1053,8 +1052,20 @@ def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[i
 
 
 def _whole(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
-    """A request's body whole, from its chain (`_chain_cte`, nearest first, references expanded): a whole body
-    (a list, or a link with no base) and each delta on top."""
+    """A request's body whole, from its chain (`_chain_cte`, nearest first, references expanded)."""
+    request = _composed(sha, rows)
+    if request is None:
+        return None
+    unresolved = [seg["ref"] for seg in request.body if "ref" in seg]
+    if unresolved:
+        raise LookupError(f"request {sha} refers to items not logged with their segment: {unresolved[:5]}")
+    return request
+
+
+def _composed(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
+    """A request's body, from its chain (`_chain_cte`, nearest first): a whole body (a list, or a link with no
+    base) and each delta on top. A reference left in a link (`{"ref": item id}`) comes with the link's session and
+    counter (`{"ref", "session", "counter"}`): what it names is that session's item, counted by that counter."""
     if not rows:
         return None
     links: list[dict[str, Any]] = []
@@ -1070,11 +1081,17 @@ def _whole(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
     if body is None:
         raise LookupError(f"request {sha} refers to a missing base {links[-1]['base']}")
     for link in reversed(links):
-        body = body[: link["keep"]] + link["tail"]
-    unresolved = [seg["ref"] for seg in body if "ref" in seg]
-    if unresolved:
-        raise LookupError(f"request {sha} refers to items not logged with their segment: {unresolved[:5]}")
+        body = body[: link["keep"]] + _tagged(link)
     return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
+
+
+def _tagged(link: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A link's tail, each reference in it with the link's session and counter."""
+    tail: list[dict[str, Any]] = link["tail"]
+    if "session" not in link:  # stored before references were: whole segments only
+        return tail
+    where = {"session": link["session"], "counter": link["counter"]}
+    return [{**seg, **where} if "ref" in seg else seg for seg in tail]
 
 
 def _claim(row: Mapping[str, Any], *, owned: bool) -> SessionClaim:

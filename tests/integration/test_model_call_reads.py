@@ -10,7 +10,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.provider import ModelProvider, ProviderReply, ProviderRequest
+from activities.provider import ModelProvider, ProviderReply, ProviderRequest, ProviderSegment
 from activities.providers import build_providers
 from activities.session import SessionActivities
 from activities.store import Store
@@ -120,3 +120,71 @@ async def test_a_build_of_an_answered_call_writes_no_record_and_its_call_asks_no
         record = await store.get_record(session_id, turn, 0)
         assert record is not None and record.request_sha256 == built.plan.request_sha256
         assert record.actual_input_tokens == answered.input_tokens
+
+
+class CapturingModel(CountedModel):
+    """The scripted model, keeping the segments of each request it answers (what an adapter puts on the wire)."""
+
+    def __init__(self, inner: ModelProvider) -> None:
+        super().__init__(inner)
+        self.sent: list[list[ProviderSegment]] = []
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        self.sent.append(list(request.segments))
+        return await super().complete(request)
+
+
+async def test_another_worker_sends_the_built_request_taking_the_items_it_refers_to_from_its_memo(
+    pg_dsn: str,
+) -> None:
+    """A call on a worker that did not build its request reads the body as stored (references to logged items
+    left in) and takes the items from its memo, which the same read brings up to date: one read and one write,
+    and the segments it sends are the ones the building worker built. A memo that lacks an item the body names
+    (injected here: one stored render removed) reads the body whole instead, one more round trip, and sends the
+    same segments."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, last = await cold_build.seed(store, 40)
+        providers = build_providers()
+        model = providers["scripted"] = CapturingModel(providers["scripted"])
+        builder = SessionActivities(store, providers)
+
+        async def build(turn: int) -> tuple[ModelInput, list[ProviderSegment]]:
+            built = await ActivityEnvironment().run(
+                builder.build.build_context,
+                BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="status?"),
+            )
+            sha = built.plan.request_sha256
+            memo = builder.state.cached(session_id)
+            assert memo is not None
+            # The body as stored refers to the logged items (or the test would not test the references).
+            chain = await store.call_reads(session_id, turn, 0, after_seq=memo.max_seq, epoch=1, request=sha)
+            assert chain is not None and chain.request is not None
+            assert sum("ref" in seg for seg in chain.request.body) >= 40
+            expected = [memo.provider_of(s) for s in memo.built[sha].segments]
+            return ModelInput(session_id=session_id, turn=turn, call_index=0, epoch=1, request_sha256=sha), expected
+
+        def worker() -> tuple[SessionActivities, DbCounts]:
+            db = DbCounts()
+            return SessionActivities(Store(CountingPool(store.pool, db)), providers), db
+
+        async def call(inp: ModelInput, acts: SessionActivities, db: DbCounts) -> int:
+            """The call on `acts`, and the round trips it made."""
+            before = sum(db.snapshot()[0].values())
+            await _env(1).run(acts.model_call.call_model, inp)
+            return sum(db.snapshot()[0].values()) - before
+
+        # A worker whose memo lacks one referenced item: it reads the body whole.
+        inp, expected = await build(last + 1)
+        lacking, db = worker()
+        _, _, memo = await lacking.state.session(session_id)
+        await lacking.state.items(session_id, memo)
+        await lacking.state.prefix(session_id, 1, memo)
+        memo.stored.pop(f"u:{last}")
+        assert await call(inp, lacking, db) == 3  # the read, the body read whole, the outcome's write
+        assert model.sent[-1] == expected
+
+        # A worker that has never seen the session: its read brings the whole log, the body's items come from it.
+        inp, expected = await build(last + 2)
+        assert await call(inp, *worker()) == 3  # the read, the epoch's prefix (once a worker) and the write
+        assert model.sent[-1] == expected and model.calls == 2
