@@ -50,6 +50,7 @@ from temporalio.worker import Worker
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from contract import names
+from contract.events import EventType as ContextEvent
 from contract.payloads import SessionOpen, TurnInput, TurnResult
 from harness.bench import cold_build
 from harness.bench.floor_workflow import (
@@ -706,15 +707,20 @@ async def _measure(
                 for k, p50 in enumerate(tenths):
                     out[f"long_p50_ms_tenth_{k + 1:02d}"] = p50
                 # Where a tenth's time went (explanatory: no target applies): the server's record of each build's,
-                # model call's and workflow task's run time, and the worker's PostgreSQL time per turn.
+                # model call's and workflow task's run time, the worker's PostgreSQL time per turn, and the
+                # compactions that ran in the tenth (their PostgreSQL time is in that tenth's).
                 per_turn_s = [b - a for a, b in itertools.pairwise(db_s)]
+                every = max(1, long_turns // 10)
+                events = await store.events(long_handle.id)
+                compacted = [e.turn for e in events if e.type == ContextEvent.COMPACTION_COMPLETED.value]
                 out["long_by_tenth"] = {
                     "p50_ms": tenths,
                     "floor_p50_ms": _by_tenth(control_lat),
                     "build_p50_ms": _by_tenth([t for r in runs for t in r.builds]),
                     "model_call_p50_ms": _by_tenth([t for r in runs for t in r.model_calls]),
                     "workflow_task_p50_ms": _by_tenth([t for r in runs for t in r.workflow_tasks_s]),
-                    "postgres_ms_per_turn": [round(d * 1000 / max(1, long_turns // 10), 2) for d in per_turn_s],
+                    "postgres_ms_per_turn": [round(d * 1000 / every, 2) for d in per_turn_s],
+                    "compactions": [sum(k * every < t <= (k + 1) * every for t in compacted) for k in range(10)],
                 }
                 floor_first = percentile(control_lat[:tenth], 50)
                 floor_last = percentile(control_lat[-tenth:], 50)

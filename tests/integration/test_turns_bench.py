@@ -109,6 +109,9 @@ def test_reports_every_figure_measured(result: dict[str, Any]) -> None:
     assert tenths["p50_ms"] == [result[f"long_p50_ms_tenth_{k:02d}"] for k in range(1, 11)]
     for key in ("floor_p50_ms", "build_p50_ms", "model_call_p50_ms", "workflow_task_p50_ms", "postgres_ms_per_turn"):
         assert len(tenths[key]) == 10 and all(v > 0 for v in tenths[key]), key
+    # The compactions of each tenth, from the session's events: each one a child workflow of the session's runs.
+    assert len(tenths["compactions"]) == 10
+    assert sum(tenths["compactions"]) <= result["long_session_child_workflows"]
     # Ratios and verdicts come last.
     keys = list(result)
     assert keys.index("overhead_ratio") > keys.index("worker_rss_growth_mb")
