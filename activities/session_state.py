@@ -118,8 +118,7 @@ class SessionCache:
     def catch_up(self, rows: LiveLog, covers_to_seq: int) -> None:
         """The log rows read after what the memo holds join it; then what the latest checkpoint covers (up to
         `covers_to_seq`, -1: no checkpoint) leaves it."""
-        for item, rendered, tokens, referable, pointer in rows.rows():
-            self.log(item, rendered, tokens, referable=referable, pointer=pointer)
+        self.join(rows)
         self.prune(covers_to_seq)
 
     def prune(self, covers_to_seq: int) -> None:
@@ -191,47 +190,47 @@ class SessionCache:
         """The session's render memo for the counter `key`; a new one takes every stored render it can."""
         if key not in self.renders:
             cache = self.renders[key] = RenderCache(self.secret, key)
-            refs = self.referable.setdefault(key, {})
-            for stored in self.stored.values():
-                self._take(stored, cache, refs)
+            self._take(list(self.stored.values()), cache, self.referable.setdefault(key, {}))
         return self.renders[key]
 
-    def _take(self, stored: StoredRender, cache: RenderCache, refs: dict[str, Segment]) -> None:
-        """`cache` takes `stored` (and its pointer's render) when `cache`'s counter counted it; `refs` (the
-        referable segments of `cache`'s counter) the segment made, when the store kept its other fields."""
-        tokens = stored.tokens.get(cache.counter_key)
-        if tokens is None:
-            return
-        item = stored.item
-        seg = cache.adopt(item, stored.text, tokens)
-        if stored.referable:
-            refs[item.id] = seg
-        pointer = stored.pointer
-        if pointer is not None and type(item) is ToolResult:
-            pointer_tokens = pointer["tokens"].get(cache.counter_key)
-            if pointer_tokens is not None:
-                cache.adopt_pointer(item, tokens, pointer["text"], pointer_tokens)
+    def _take(self, stored: list[StoredRender], cache: RenderCache, refs: dict[str, Segment]) -> None:
+        """`cache` takes each of `stored` (and its pointer's render) that `cache`'s counter counted; `refs` (the
+        referable segments of `cache`'s counter) each segment made, when the store kept its other fields."""
+        key = cache.counter_key
+        mine = [s for s in stored if key in s.tokens]
+        segs = cache.adopt_all([s.item for s in mine], [s.text for s in mine], [s.tokens[key] for s in mine])
+        for s, seg in zip(mine, segs, strict=True):
+            item = s.item
+            if s.referable:
+                refs[item.id] = seg
+            pointer = s.pointer
+            if pointer is not None and type(item) is ToolResult:
+                pointer_tokens = pointer["tokens"].get(key)
+                if pointer_tokens is not None:
+                    cache.adopt_pointer(item, s.tokens[key], pointer["text"], pointer_tokens)
 
-    def log(
-        self,
-        item: HistoryItem,
-        rendered: str | None,
-        tokens: dict[str, int] | None,
-        *,
-        referable: bool = False,
-        pointer: dict[str, Any] | None = None,
-    ) -> None:
-        """`item` joins the memo of the log, with its stored render taken by every memo of its counters."""
-        self.items.append(item)
-        self.max_seq = item.seq
-        self.by_id[item.id] = item
-        if isinstance(item, ToolCall):
-            self.open_calls[item.call_id] = item
-        elif isinstance(item, ToolResult):
-            self.open_calls.pop(item.call_id, None)
-        if rendered is None or not tokens:
+    def join(self, rows: LiveLog) -> None:
+        """Logged items (`rows`, in log order, after what the memo holds) join the memo of the log, their stored
+        renders taken by every render memo of their counters."""
+        items = rows.items
+        if not items:
             return
-        stored = self.stored[item.id] = StoredRender(item, rendered, tokens, referable, pointer)
+        self.items += items
+        self.max_seq = items[-1].seq
+        by_id, open_calls = self.by_id, self.open_calls
+        for item in items:
+            by_id[item.id] = item
+            if isinstance(item, ToolCall):
+                open_calls[item.call_id] = item
+            elif isinstance(item, ToolResult):
+                open_calls.pop(item.call_id, None)
+        stored = [
+            StoredRender(item, rendered, tokens, referable, pointer)
+            for item, rendered, tokens, referable, pointer in rows.rows()
+            if rendered is not None and tokens
+        ]
+        for s in stored:
+            self.stored[s.item.id] = s
         for key, cache in self.renders.items():
             self._take(stored, cache, self.referable.setdefault(key, {}))
 
@@ -462,9 +461,15 @@ class SessionState:
         """Items just logged at `seqs` join the memo when they follow what it holds (no read back); otherwise the
         next read brings them."""
         if items and seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))):
-            for data, seq, r in zip(items, seqs, renders, strict=True):
-                item = parse_history_item({**data, "seq": seq})
-                cache.log(item, r.text, r.tokens, referable=True, pointer=r.pointer)
+            cache.join(
+                LiveLog(
+                    items=[parse_history_item({**data, "seq": seq}) for data, seq in zip(items, seqs, strict=True)],
+                    renders=[r.text for r in renders],
+                    counts=[r.tokens for r in renders],
+                    referable=[True] * len(renders),
+                    pointers=[r.pointer for r in renders],
+                )
+            )
 
     async def prefix(self, session_id: str, epoch: int, cache: SessionCache) -> tuple[FrozenPrefix, ModelProfile]:
         if epoch not in cache.prefixes:

@@ -9,7 +9,7 @@ import pytest
 from activities.rows import LiveLog
 from activities.session_state import SessionCache
 from core.budget import ContextBudget
-from core.build import build, segment_of
+from core.build import build, segment_of, segments_of
 from core.item_rendering import render_item
 from core.items import HistoryItem
 from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
@@ -106,3 +106,18 @@ def test_a_log_read_with_columns_of_different_lengths_is_refused() -> None:
     )
     with pytest.raises(ValueError):
         SessionCache(SECRET).catch_up(short, -1)
+
+
+def test_segments_made_together_are_the_ones_made_one_by_one() -> None:
+    """`segments_of` (a cold memo's thousands in one call) makes each item's segment exactly as `segment_of` does:
+    every kind of logged item, untrusted and tainted ones included."""
+    items = history(12)
+    tainted = [item.model_copy(update={"tainted": True}) for item in items[:6]]
+    kinds = {item.kind for item in items}
+    assert {"user_message", "assistant_message", "tool_call", "tool_result"} <= kinds
+    assert any(item.taints_view() for item in items)
+    texts = [render_item(item, SECRET) for item in items + tainted]
+    counts = [COUNTER.count(text) for text in texts]
+    together = segments_of(items + tainted, texts, counts)
+    assert together == [segment_of(i, t, c) for i, t, c in zip(items + tainted, texts, counts, strict=True)]
+    assert [s.taints for s in together[len(items) :]] == [True] * len(tainted)
