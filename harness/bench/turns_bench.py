@@ -674,6 +674,7 @@ async def _measure(
             await floor(_plain_text(0))
             rss = [_rss_mb()]
             db_s = [sum(db.snapshot()[1].values())]  # the in-process worker's PostgreSQL time, at each tenth
+            every = max(1, long_turns // 10)  # the turns of a tenth, where RSS and PostgreSQL time are sampled
             long_lat: list[float] = []
             control_lat: list[float] = []
             error: str | None = None
@@ -685,7 +686,7 @@ async def _measure(
                     break
                 control_lat.append(await _timed(floor, _plain_text(i)))
                 tick(1)
-                if i % max(1, long_turns // 10) == 0:
+                if i % every == 0:
                     rss.append(_rss_mb())
                     db_s.append(sum(db.snapshot()[1].values()))
             rss.append(_rss_mb())
@@ -710,7 +711,6 @@ async def _measure(
                 # model call's and workflow task's run time, the worker's PostgreSQL time per turn, and the
                 # compactions that ran in the tenth (their PostgreSQL time is in that tenth's).
                 per_turn_s = [b - a for a, b in itertools.pairwise(db_s)]
-                every = max(1, long_turns // 10)
                 events = await store.events(long_handle.id)
                 compacted = [e.turn for e in events if e.type == ContextEvent.COMPACTION_COMPLETED.value]
                 out["long_by_tenth"] = {
