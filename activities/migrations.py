@@ -195,4 +195,44 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE items ADD COLUMN IF NOT EXISTS segment jsonb;
     ALTER TABLE items ADD COLUMN IF NOT EXISTS pointer jsonb;
     """,
+    # 7: the log also in blocks of 256 items (docs/operations.md, "Schema and migrations"): each full block of a
+    # session's log, sealed by a trigger when its last item is inserted, holds what a worker's memo reads of its
+    # items (payloads, renders, counts, whether referable, pointers) as JSON text, so a worker that has not seen
+    # the session reads one row per 256 items instead of converting each item's columns to text; the session's
+    # full blocks logged before this migration are sealed by it
+    """
+    CREATE TABLE IF NOT EXISTS item_blocks (
+        session_id text NOT NULL REFERENCES sessions (session_id),
+        first_seq integer NOT NULL,
+        last_seq integer NOT NULL,
+        payloads text NOT NULL,
+        renders text NOT NULL,
+        counts text NOT NULL,
+        referable text NOT NULL,
+        pointers text NOT NULL,
+        PRIMARY KEY (session_id, first_seq)
+    );
+    CREATE OR REPLACE FUNCTION item_block_seal(sid text, first integer) RETURNS void LANGUAGE sql AS $$
+        INSERT INTO item_blocks (session_id, first_seq, last_seq, payloads, renders, counts, referable, pointers)
+        SELECT sid, first, first + 255,
+               string_agg(payload::text, ',' ORDER BY seq),
+               string_agg(coalesce(to_json(rendered)::text, 'null'), ',' ORDER BY seq),
+               string_agg(coalesce(tokens::text, 'null'), ',' ORDER BY seq),
+               string_agg(CASE WHEN segment IS NULL THEN 'false' ELSE 'true' END, ',' ORDER BY seq),
+               string_agg(coalesce(pointer::text, 'null'), ',' ORDER BY seq)
+        FROM items WHERE session_id = sid AND seq BETWEEN first AND first + 255
+        HAVING count(*) = 256
+        ON CONFLICT DO NOTHING
+    $$;
+    CREATE OR REPLACE FUNCTION items_seal_block() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM item_block_seal(NEW.session_id, NEW.seq - 255);
+        RETURN NULL;
+    END
+    $$;
+    DROP TRIGGER IF EXISTS items_seal_block ON items;
+    CREATE TRIGGER items_seal_block AFTER INSERT ON items FOR EACH ROW WHEN (NEW.seq % 256 = 255)
+        EXECUTE FUNCTION items_seal_block();
+    SELECT item_block_seal(session_id, seq - 255) FROM items WHERE seq % 256 = 255;
+    """,
 )

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
+from pydantic_core import from_json
 
 from activities.migrations import MIGRATIONS
 from activities.rows import (
@@ -64,16 +65,39 @@ SELECT seq, turn, payload, rendered, tokens, segment IS NOT NULL AS referable, p
 WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
 
 
+ITEM_BLOCK = 256  # items per sealed block of the log (migration 7: `item_blocks`, sealed by a trigger)
+
+
 def _live_log(after: str) -> str:
-    """The lateral subquery `log`: session $1's items after position `after`, as parallel arrays in log order
-    (each payload as JSON text, parsed in one pass: arrays cost PostgreSQL and the client a fraction of what a
-    JSON aggregate of the rows costs). Read them with `_live`."""
+    """The lateral subquery `log`: session $1's items after position `after`, in log order: the sealed blocks
+    that begin after it (`item_blocks`: what a memo reads of 256 items, as JSON text, one row each) and the rows of
+    the items no such block holds (`head` of them before the blocks, the rest after), as parallel arrays (each
+    payload as JSON text, parsed in one pass: arrays cost PostgreSQL and the client a fraction of what a JSON
+    aggregate of the rows costs). Select `LIVE_LOG_COLUMNS`; read them with `_live`."""
     return f"""LEFT JOIN LATERAL (
-  SELECT array_agg(i.payload::text ORDER BY i.seq) AS payloads, array_agg(i.rendered ORDER BY i.seq) AS renders,
-         json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable,
-         json_agg(i.pointer ORDER BY i.seq) AS pointers
-  FROM items i WHERE i.session_id = $1 AND i.seq > {after}
+  SELECT r.*, b.payloads AS block_payloads, b.renders AS block_renders, b.counts AS block_counts,
+         b.referable AS block_referable, b.pointers AS block_pointers
+  FROM (
+    SELECT min(first_seq) AS first_seq, max(last_seq) AS last_seq,
+           string_agg(payloads, ',' ORDER BY first_seq) AS payloads,
+           string_agg(renders, ',' ORDER BY first_seq) AS renders,
+           string_agg(counts, ',' ORDER BY first_seq) AS counts,
+           string_agg(referable, ',' ORDER BY first_seq) AS referable,
+           string_agg(pointers, ',' ORDER BY first_seq) AS pointers
+    FROM item_blocks WHERE session_id = $1 AND first_seq > {after}
+  ) b, LATERAL (
+    SELECT count(*) FILTER (WHERE i.seq < b.first_seq) AS head,
+           array_agg(i.payload::text ORDER BY i.seq) AS payloads, array_agg(i.rendered ORDER BY i.seq) AS renders,
+           json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable,
+           json_agg(i.pointer ORDER BY i.seq) AS pointers
+    FROM items i WHERE i.session_id = $1 AND i.seq > {after}
+      AND (b.first_seq IS NULL OR i.seq < b.first_seq OR i.seq > b.last_seq)
+  ) r
 ) log ON true"""
+
+
+LIVE_LOG_COLUMNS = """log.head, log.payloads, log.renders, log.counts, log.referable, log.pointers,
+  log.block_payloads, log.block_renders, log.block_counts, log.block_referable, log.block_pointers"""
 
 
 # The log a worker's memo needs ($2: the position it holds): what the latest checkpoint does not cover.
@@ -274,9 +298,10 @@ INSERT INTO checkpoints (session_id, checkpoint_id, parent_id, depth, covers_fro
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
 # The build's reads in one round trip (Store.turn_reads): $1 session, $2 log position already memoised, $3 epoch,
 # $4 whether to return the prefix row, $5 the recall query (NULL: none), $6 the recall limit.
-SQL_TURN_READS = """
+SQL_TURN_READS = (
+    """
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
-  log.payloads, log.renders, log.counts, log.referable, log.pointers,
+  {LIVE_LOG_COLUMNS},
   p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
   CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
   CASE WHEN $4 THEN p.inputs END AS inputs,
@@ -308,8 +333,9 @@ LEFT JOIN LATERAL (
   FROM jsonb_array_elements(coalesce(p.prefix->'segments', '[]'::jsonb)) AS seg
   WHERE seg->>'kind' = 'memory_snapshot'
 ) snap ON true
-WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT).replace(
-    "{LIVE_LOG}", _live_log("greatest($2, cp.covers_to_seq)")
+WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT)
+    .replace("{LIVE_LOG}", _live_log("greatest($2, cp.covers_to_seq)"))
+    .replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS)
 )
 # The model call's reads in one round trip (Store.call_reads): $1 session, $2 turn, $3 call index, $4 log position
 # already memoised, $5 epoch, $6 the request whose body to read (NULL: this worker built it), $7 the chain limit.
@@ -319,7 +345,7 @@ SQL_CALL_READS = (
 SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT to_jsonb(r) FROM request_records r WHERE r.session_id = $1 AND r.turn = $2 AND r.call_index = $3)
     AS record,
-  log.payloads, log.renders, log.counts, log.referable, log.pointers,
+  {LIVE_LOG_COLUMNS},
   cp.covers_to_seq,
   (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
     AS calibration,
@@ -340,7 +366,7 @@ LEFT JOIN LATERAL ("""
     + """
 LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $5
 WHERE s.session_id = $1"""
-)
+).replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS)
 # A model call's outcome in one round trip: its usage (the first attempt's figures win), the estimator's
 # reconciliation (a higher observed ratio adopted at once, a lower one relaxed towards, in one statement, so
 # concurrent sessions on a route never lose an upward move), its event (stored once, by key) and the reply's
@@ -1031,15 +1057,32 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
 
 
 def _live(row: Mapping[str, Any]) -> LiveLog:
-    """The log read by `_live_log`, parsed: its payloads in one pass, its other columns as they came."""
-    if not row["payloads"]:
-        return LiveLog()
+    """The log read by `_live_log`, parsed: the rows before the blocks, the blocks, the rows after them; the
+    payloads in one pass, the blocks' other columns each in one pass, the rows' as they came."""
+    payloads = row["payloads"] or []
+    block = row["block_payloads"]
+    if block is None:
+        if not payloads:
+            return LiveLog()
+        return LiveLog(
+            items=parse_history_json(payloads),
+            renders=row["renders"],
+            counts=row["counts"],
+            referable=row["referable"],
+            pointers=row["pointers"],
+        )
+    head = int(row["head"])
+
+    def around(rows: list[Any] | None, blocks: str) -> list[Any]:
+        rows = rows or []
+        return [*rows[:head], *from_json("[" + blocks + "]"), *rows[head:]]
+
     return LiveLog(
-        items=parse_history_json(row["payloads"]),
-        renders=row["renders"],
-        counts=row["counts"],
-        referable=row["referable"],
-        pointers=row["pointers"],
+        items=parse_history_json([*payloads[:head], block, *payloads[head:]]),
+        renders=around(row["renders"], row["block_renders"]),
+        counts=around(row["counts"], row["block_counts"]),
+        referable=around(row["referable"], row["block_referable"]),
+        pointers=around(row["pointers"], row["block_pointers"]),
     )
 
 

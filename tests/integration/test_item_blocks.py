@@ -1,0 +1,127 @@
+"""The log in sealed blocks (migration 7) on a real PostgreSQL: a trigger seals each full block of 256 items as its
+last item is logged, and what a worker's memo reads through the blocks equals what the items' own rows hold,
+from any position; no Temporal (the activities run in an ActivityEnvironment)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from activities.migrations import MIGRATIONS
+from activities.providers import build_providers
+from activities.rows import LiveLog
+from activities.session import SessionActivities
+from activities.session_state import SessionCache
+from activities.store import ITEM_BLOCK, Store
+from contract.payloads import BuildInput
+from core.items import parse_history_item
+from harness.bench import cold_build
+
+pytestmark = pytest.mark.integration
+
+NOW = "2026-01-01T00:00:00+00:00"
+SQL_BLOCKS = "SELECT * FROM item_blocks WHERE session_id = $1 ORDER BY first_seq"
+
+
+async def _blocks(store: Store, session_id: str) -> list[tuple[int, int]]:
+    return [(r["first_seq"], r["last_seq"]) for r in await store.pool.fetch(SQL_BLOCKS, session_id)]
+
+
+def _columns(log: LiveLog) -> list[Any]:
+    return [[i.model_dump() for i in log.items], log.renders, log.counts, log.referable, log.pointers]
+
+
+async def _from_rows(store: Store, session_id: str, after: int) -> list[Any]:
+    """The log after `after` from the items' own rows (`load_items`), in the memo's columns."""
+    rows = await store.load_items(session_id, after)
+    return _columns(
+        LiveLog(
+            items=[parse_history_item(r.payload) for r in rows],
+            renders=[r.rendered for r in rows],
+            counts=[r.tokens for r in rows],
+            referable=[r.referable for r in rows],
+            pointers=[r.pointer for r in rows],
+        )
+    )
+
+
+def _memo(cache: SessionCache) -> list[Any]:
+    stored = [cache.stored[i.id] for i in cache.items]
+    return [
+        [i.model_dump() for i in cache.items],
+        [(s.text, s.tokens, s.referable, s.pointer) for s in stored],
+    ]
+
+
+async def test_full_blocks_are_sealed_and_a_read_through_them_equals_the_rows_from_any_position(pg_dsn: str) -> None:
+    """Items logged a few at a time, then 300 in one statement: every full block is sealed, the last (partial) one
+    is not; the log read from any position (before the blocks, on a block's first or last item, inside one, after
+    the last) equals the items' rows, item by item and column by column (tool results' pointers included)."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, last = await cold_build.seed(store, 700)
+        assert await _blocks(store, session_id) == [(0, 255), (256, 511)]
+        acts = SessionActivities(store, build_providers())
+        _, _, cache = await acts.state.session(session_id)
+        await acts.state.items(session_id, cache)
+        batch = [
+            {"id": f"bulk.{n}", "kind": "user_message", "trust": "USER", "text": f"note {n}: shard {n % 17} is done"}
+            for n in range(300)
+        ]
+        seqs = await acts.state.append(session_id, last + 1, batch, cache)
+        assert seqs == list(range(700, 1000))
+        assert await _blocks(store, session_id) == [(0, 255), (256, 511), (512, 767)]
+        assert ITEM_BLOCK == 256
+        for after in (-1, 0, 100, 254, 255, 256, 300, 511, 512, 767, 768, 998, 999):
+            _, live = await store.load_live_items(session_id, after)
+            assert _columns(live) == await _from_rows(store, session_id, after), after
+        _, live = await store.load_live_items(session_id)
+        assert [i.seq for i in live.items] == list(range(1000))
+        assert any(p is not None for p in live.pointers)  # the tool results' pointers came through the blocks
+
+
+async def test_workers_that_have_not_seen_the_session_read_it_through_the_blocks_as_the_writer_holds_it(
+    pg_dsn: str,
+) -> None:
+    """A build and a model call on workers that have not seen a 700-item session (their reads go through two
+    sealed blocks) bring their memos to exactly what the worker that logged the items holds in its own."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, last = await cold_build.seed(store, 700)
+        providers = build_providers()
+        writer = SessionActivities(store, providers)
+        _, _, held = await writer.state.session(session_id)
+        await writer.state.items(session_id, held)
+        builder = SessionActivities(store, providers)
+        turn = last + 1
+        built = await ActivityEnvironment().run(
+            builder.build.build_context,
+            BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="status?"),
+        )
+        await writer.state.items(session_id, held)  # the turn's message, logged by the build
+        built_memo = builder.state.cached(session_id)
+        assert built_memo is not None and _memo(built_memo) == _memo(held)
+        caller = SessionActivities(store, providers)
+        _, call_memo, reads = await caller.state.call_reads(
+            session_id, turn, 0, 1, built.plan.request_sha256, first_attempt=True
+        )
+        assert reads.record is not None and reads.record.request_sha256 == built.plan.request_sha256
+        assert _memo(call_memo) == _memo(held)
+
+
+async def test_the_migration_seals_the_blocks_of_items_logged_before_it(pg_dsn: str) -> None:
+    """The session's blocks removed (items logged before migration 7), the migration run again seals them as the
+    trigger had, byte for byte; it is re-runnable."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, _ = await cold_build.seed(store, 600)
+        sealed = [dict(r) for r in await store.pool.fetch(SQL_BLOCKS, session_id)]
+        assert [(r["first_seq"], r["last_seq"]) for r in sealed] == [(0, 255), (256, 511)]
+        await store.pool.execute("DELETE FROM item_blocks WHERE session_id = $1", session_id)
+        _, rows_only = await store.load_live_items(session_id)
+        await store.pool.execute(MIGRATIONS[6])
+        assert [dict(r) for r in await store.pool.fetch(SQL_BLOCKS, session_id)] == sealed
+        _, through_blocks = await store.load_live_items(session_id)
+        assert _columns(through_blocks) == _columns(rows_only)
