@@ -58,7 +58,8 @@ def _memo(cache: SessionCache) -> list[Any]:
 async def test_full_blocks_are_sealed_and_a_read_through_them_equals_the_rows_from_any_position(pg_dsn: str) -> None:
     """Items logged a few at a time, then 300 in one statement: every full block is sealed, the last (partial) one
     is not; the log read from any position (before the blocks, on a block's first or last item, inside one, after
-    the last) equals the items' rows, item by item and column by column (tool results' pointers included)."""
+    the last) equals the items' rows, item by item and column by column (tool results' pointers included); a purge
+    erases the blocks with the items."""
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, last = await cold_build.seed(store, 700)
@@ -80,6 +81,10 @@ async def test_full_blocks_are_sealed_and_a_read_through_them_equals_the_rows_fr
         _, live = await store.load_live_items(session_id)
         assert [i.seq for i in live.items] == list(range(1000))
         assert any(p is not None for p in live.pointers)  # the tool results' pointers came through the blocks
+        # A purge erases the session's blocks with its items.
+        deleted = await store.purge_session(session_id, require_closed=False)
+        assert deleted["item_blocks"] == 3 and deleted["items"] == 1000
+        assert await _blocks(store, session_id) == []
 
 
 async def test_workers_that_have_not_seen_the_session_read_it_through_the_blocks_as_the_writer_holds_it(
