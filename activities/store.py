@@ -65,9 +65,6 @@ SELECT seq, turn, payload, rendered, tokens, segment IS NOT NULL AS referable, p
 WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
 
 
-ITEM_BLOCK = 256  # items per sealed block of the log (migration 7: `item_blocks`, sealed by a trigger)
-
-
 def _live_log(after: str) -> str:
     """The lateral subquery `log`: session $1's items after position `after`, in log order: the sealed blocks
     that begin after it (`item_blocks`: what a memo reads of 256 items, as JSON text, one row each) and the rows of

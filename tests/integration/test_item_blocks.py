@@ -14,7 +14,7 @@ from activities.providers import build_providers
 from activities.rows import LiveLog
 from activities.session import SessionActivities
 from activities.session_state import SessionCache
-from activities.store import ITEM_BLOCK, Store
+from activities.store import Store
 from contract.payloads import BuildInput
 from core.items import parse_history_item
 from harness.bench import cold_build
@@ -74,7 +74,6 @@ async def test_full_blocks_are_sealed_and_a_read_through_them_equals_the_rows_fr
         seqs = await acts.state.append(session_id, last + 1, batch, cache)
         assert seqs == list(range(700, 1000))
         assert await _blocks(store, session_id) == [(0, 255), (256, 511), (512, 767)]
-        assert ITEM_BLOCK == 256
         for after in (-1, 0, 100, 254, 255, 256, 300, 511, 512, 767, 768, 998, 999):
             _, live = await store.load_live_items(session_id, after)
             assert _columns(live) == await _from_rows(store, session_id, after), after
