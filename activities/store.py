@@ -1058,24 +1058,17 @@ def _live(row: Mapping[str, Any]) -> LiveLog:
     payloads in one pass, the blocks' other columns each in one pass, the rows' as they came."""
     payloads = row["payloads"] or []
     block = row["block_payloads"]
-    if block is None:
-        if not payloads:
-            return LiveLog()
-        return LiveLog(
-            items=parse_history_json(payloads),
-            renders=row["renders"],
-            counts=row["counts"],
-            referable=row["referable"],
-            pointers=row["pointers"],
-        )
-    head = int(row["head"])
+    if block is None and not payloads:
+        return LiveLog()
+    head = int(row["head"])  # 0 without blocks
 
-    def around(rows: list[Any] | None, blocks: str) -> list[Any]:
+    def around(rows: list[Any] | None, blocks: str | None) -> list[Any]:
         rows = rows or []
-        return [*rows[:head], *from_json("[" + blocks + "]"), *rows[head:]]
+        return rows if blocks is None else [*rows[:head], *from_json("[" + blocks + "]"), *rows[head:]]
 
     return LiveLog(
-        items=parse_history_json([*payloads[:head], block, *payloads[head:]]),
+        # A block's payloads are its items' JSON texts joined by commas: one more text of the joined list.
+        items=parse_history_json(payloads if block is None else [*payloads[:head], block, *payloads[head:]]),
         renders=around(row["renders"], row["block_renders"]),
         counts=around(row["counts"], row["block_counts"]),
         referable=around(row["referable"], row["block_referable"]),
