@@ -70,7 +70,11 @@ def _live_log(after: str) -> str:
     that begin after it (`item_blocks`: what a memo reads of 256 items, as JSON text, one row each) and the rows of
     the items no such block holds (`head` of them before the blocks, the rest after), as parallel arrays (each
     payload as JSON text, parsed in one pass: arrays cost PostgreSQL and the client a fraction of what a JSON
-    aggregate of the rows costs). Select `LIVE_LOG_COLUMNS`; read them with `_live`."""
+    aggregate of the rows costs). Select `LIVE_LOG_COLUMNS`; read them with `_live`.
+
+    Only the unbroken run of blocks from the first one is read as blocks: should a block be missing from the
+    middle (the trigger seals every one, but the table is derived state an operator may clear), the items from
+    the gap on are read as rows, never skipped."""
     return f"""LEFT JOIN LATERAL (
   SELECT r.*, b.payloads AS block_payloads, b.renders AS block_renders, b.counts AS block_counts,
          b.referable AS block_referable, b.pointers AS block_pointers
@@ -81,7 +85,11 @@ def _live_log(after: str) -> str:
            string_agg(counts, ',' ORDER BY first_seq) AS counts,
            string_agg(referable, ',' ORDER BY first_seq) AS referable,
            string_agg(pointers, ',' ORDER BY first_seq) AS pointers
-    FROM item_blocks WHERE session_id = $1 AND first_seq > {after}
+    FROM (
+      SELECT x.*, min(x.first_seq) OVER () + (row_number() OVER (ORDER BY x.first_seq) - 1)
+                  * (x.last_seq - x.first_seq + 1) AS unbroken_at
+      FROM item_blocks x WHERE x.session_id = $1 AND x.first_seq > {after}
+    ) x WHERE x.first_seq = x.unbroken_at
   ) b, LATERAL (
     SELECT count(*) FILTER (WHERE i.seq < b.first_seq) AS head,
            array_agg(i.payload::text ORDER BY i.seq) AS payloads, array_agg(i.rendered ORDER BY i.seq) AS renders,
