@@ -26,6 +26,7 @@ from contract.payloads import ModelInput, ModelResult, ToolCallRequest
 from core.estimator import reconcile
 from core.explain import first_wire_difference
 from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
+from core.plan import SEGMENT
 
 T = TypeVar("T")
 
@@ -99,7 +100,7 @@ class ModelCallActivities(ModelCalls):
             prefix_sha256=prefix.sha256,
             request_sha256=inp.request_sha256,
             segments=segments,
-            tools=[s.model_dump(mode="json") for s in prefix.segments if s.kind == "tool_definition"],
+            tools=[SEGMENT.dump_python(s, mode="json") for s in prefix.segments if s.kind == "tool_definition"],
             options=open_.route.provider_options,
             estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,

@@ -27,7 +27,7 @@ from core.build import FrozenPrefix, RenderCache, counter_key, pointer_for, segm
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import render_item
 from core.items import HistoryItem, Region, ToolCall, ToolResult, UserMessage, parse_history_item
-from core.plan import Segment
+from core.plan import SEGMENT, Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
 
 log = structlog.get_logger("ctxengine.activities")
@@ -94,7 +94,7 @@ class SessionCache:
     def json_of(self, seg: Segment) -> dict[str, Any]:
         hit = self.seg_json.get(id(seg))
         if hit is None or hit[0] is not seg:
-            hit = (seg, seg.model_dump(mode="json"))
+            hit = (seg, SEGMENT.dump_python(seg, mode="json"))
             if self._lasting(seg):
                 self.seg_json[id(seg)] = hit
         return hit[1]
@@ -443,7 +443,7 @@ class SessionState:
             item = parse_history_item({**data, "seq": 0})
             text = render_item(item, cache.secret)
             tokens = counter.count(text)
-            fields = segment_of(item, text, tokens).model_dump(mode="json", exclude=_TEXT_AND_COUNT)
+            fields = SEGMENT.dump_python(segment_of(item, text, tokens), mode="json", exclude=_TEXT_AND_COUNT)
             pointer = None
             if isinstance(item, ToolResult):  # the pointer a build under pressure may show instead
                 pointer_text = render_item(pointer_for(item, tokens), cache.secret)

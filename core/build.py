@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.budget import ContextBudget
 from core.compaction import Checkpoint, apply_checkpoint
@@ -342,40 +342,30 @@ def _type_fields(cls: type[Item]) -> tuple[Region, BudgetClass, Role, bool]:
 
 
 _TYPE_FIELDS = {t: _type_fields(t) for t in ITEM_TYPES}
-# Validated from dicts by pydantic-core: faster than the keyword constructor and than model_construct; a list of
-# them in one call, faster still.
-_new_segment = Segment.model_validate
-_new_segments = TypeAdapter(list[Segment]).validate_python
-
-
-def _segment_fields(item: Item, text: str, raw_tokens: int) -> dict[str, Any]:
-    """The fields of `item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place they are
-    derived."""
-    cls = type(item)
-    region, budget_class, role, paired = _TYPE_FIELDS.get(cls) or _type_fields(cls)
-    return {
-        "item_id": item.id,
-        "kind": item.kind,
-        "region": region,
-        "budget_class": budget_class,
-        "role": role,
-        "trust": item.trust,
-        "text": text,
-        "raw_tokens": raw_tokens,
-        # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
-        "call_id": item.call_id if paired else None,  # type: ignore[attr-defined]
-        "taints": item.taints_view(),
-    }
 
 
 def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
-    """`item`'s segment, rendered as `text` and counted as `raw_tokens`."""
-    return _new_segment(_segment_fields(item, text, raw_tokens))
+    """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
+    cls = type(item)
+    region, budget_class, role, paired = _TYPE_FIELDS.get(cls) or _type_fields(cls)
+    return Segment(
+        item_id=item.id,
+        kind=item.kind,
+        region=region,
+        budget_class=budget_class,
+        role=role,
+        trust=item.trust,
+        text=text,
+        raw_tokens=raw_tokens,
+        # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
+        call_id=item.call_id if paired else None,  # type: ignore[attr-defined]
+        taints=item.taints_view(),
+    )
 
 
 def segments_of(items: Sequence[Item], texts: Sequence[str], counts: Sequence[int]) -> list[Segment]:
-    """Each item's segment, as `segment_of` makes it, validated as one list (a cold worker's memo makes thousands)."""
-    return _new_segments(list(map(_segment_fields, items, texts, counts)))
+    """Each item's segment, as `segment_of` makes it (a cold worker's memo makes thousands)."""
+    return list(map(segment_of, items, texts, counts))
 
 
 def open_prefix(

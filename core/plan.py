@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from core.items import BudgetClass, Region, Role, TrustLevel
 
 
-class Segment(BaseModel):
-    """One rendered item in its assembly position."""
+@dataclass(slots=True)
+class Segment:
+    """One rendered item in its assembly position. Never changed once made: memos, plans and request bodies share
+    each one by identity.
 
-    model_config = ConfigDict(frozen=True)
+    A plain value, not a pydantic model: a worker that has not seen a session makes one for each of its logged
+    items, and a model costs several times the construction and three objects for the garbage collector instead
+    of one (a frozen dataclass, twice the construction again: each field is set through `object.__setattr__`).
+    Pydantic validates and serialises it as a field of the models that hold it (`ContextPlan`, `FrozenPrefix`);
+    `SEGMENT` does it for one alone."""
 
     item_id: str
     kind: str
@@ -24,6 +31,9 @@ class Segment(BaseModel):
     raw_tokens: int
     call_id: str | None = None
     taints: bool = False  # a model that reads it may derive untrusted content from it (docs/trust.md)
+
+
+SEGMENT: TypeAdapter[Segment] = TypeAdapter(Segment)  # one segment from or to its JSON form
 
 
 class YieldStep(StrEnum):

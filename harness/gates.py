@@ -44,7 +44,7 @@ from core.errors import OrphanedToolItemError
 from core.estimator import ModelProfile, TokenEstimator
 from core.item_rendering import UNTRUSTED_PROVENANCE
 from core.items import AssistantMessage, ToolCall, ToolResult, TrustLevel
-from core.plan import Segment
+from core.plan import SEGMENT
 from core.rendering import derive_nonce, parse_envelopes, render_envelope
 from core.validation import find_orphans
 from core.working_state import WorkingStateWrite, fold
@@ -613,7 +613,7 @@ async def gate_pairs(s: Stack) -> dict[str, Any]:
         assert request is not None
         if r.epoch not in prefix_rows:
             prefix_rows[r.epoch] = await s.store.get_prefix(handle.id, r.epoch)
-        segs = [Segment.model_validate(x) for x in request.body]
+        segs = [SEGMENT.validate_python(x) for x in request.body]
         checked += 1
         orphans_sent += int(bool(find_orphans(segs)))
     crafted, rejected = crafted_orphans()

@@ -27,7 +27,7 @@ from core.estimator import ModelProfile, TokenCounter, TokenEstimator
 from core.explain import PrefixDifference, first_difference
 from core.item_rendering import render_item
 from core.items import HistoryItem, Item, ToolResult, parse_history_item
-from core.plan import ContextPlan
+from core.plan import SEGMENT, ContextPlan
 from harness.protocol_servers import Element, Received, prompt_elements
 from harness.sessions import gate_open as _open
 
@@ -383,7 +383,7 @@ async def compare_stored_bodies(store: Store, rebuilt: Sequence[Rebuilt]) -> dic
         if plan.request_sha256 != rec.request_sha256:
             continue  # not reproduced: the rebuild's own check reports it
         checked += 1
-        want = [seg.model_dump(mode="json") for seg in plan.segments[len(prefix.segments) :]]
+        want = [SEGMENT.dump_python(seg, mode="json") for seg in plan.segments[len(prefix.segments) :]]
         try:
             stored = await store.get_request(rec.request_sha256)
         except LookupError as exc:

@@ -68,12 +68,15 @@ from core.compaction import Checkpoint, CompactionDecision, escalation_checkpoin
 from core.estimator import ModelProfile, TokenEstimator
 from core.items import (
     AssistantMessage,
+    BudgetClass,
     CheckpointSummary,
     CorrectionLine,
     CurrentUserMessage,
     HistoryItem,
     Item,
     RecallItem,
+    Region,
+    Role,
     ToolCall,
     ToolResult,
     TrustLevel,
@@ -522,9 +525,9 @@ class Naive(Assembler):
             seg = Segment(
                 item_id="naive.system",
                 kind="platform_policy",
-                region="A",
-                budget_class="platform_policy",
-                role="system",
+                region=Region.A,
+                budget_class=BudgetClass.PLATFORM_POLICY,
+                role=Role.SYSTEM,
                 trust=TrustLevel.PLATFORM,
                 text=text,
                 raw_tokens=self.estimator.count(text),

@@ -46,6 +46,7 @@ from core.items import (
     UserMessage,
     WorkingStateBlock,
 )
+from core.plan import SEGMENT
 from core.rendering import parse_envelopes
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
 from harness.protocol_servers import prompt_elements
@@ -210,7 +211,7 @@ class Session:
             model=f"{self.provider_name}-test-model",
             prefix_sha256=plan.prefix_sha256,
             request_sha256=plan.request_sha256,
-            segments=[_segment(s.model_dump(mode="json")) for s in plan.segments],
+            segments=[_segment(SEGMENT.dump_python(s, mode="json")) for s in plan.segments],
             estimated_tokens=plan.estimated_tokens,
         )
 

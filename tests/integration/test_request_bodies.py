@@ -15,6 +15,7 @@ from activities.session import SessionActivities
 from activities.store import Store
 from activities.tokens import TiktokenCounter
 from contract.payloads import BuildInput, OpenInput
+from core.plan import SEGMENT
 from harness.bench import cold_build
 
 pytestmark = pytest.mark.integration
@@ -37,7 +38,7 @@ async def _build(acts: SessionActivities, session_id: str, turn: int, text: str)
     assert cache is not None
     prefix, _ = cache.prefixes[1]
     built = cache.built[result.plan.request_sha256].segments[len(prefix.segments) :]
-    return result.plan.request_sha256, [seg.model_dump(mode="json") for seg in built]
+    return result.plan.request_sha256, [SEGMENT.dump_python(seg, mode="json") for seg in built]
 
 
 async def test_a_build_stores_logged_items_by_reference_and_reads_them_back_whole(pg_dsn: str) -> None:

@@ -12,6 +12,7 @@ from core.budget import ContextBudget
 from core.build import build, segment_of, segments_of
 from core.item_rendering import render_item
 from core.items import HistoryItem
+from core.plan import SEGMENT
 from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
 
 
@@ -65,7 +66,7 @@ def test_only_the_segment_taken_from_a_referable_render_is_referred_to() -> None
     assert again == taken[-1]
     stored = cache.stored_body([*taken, again], renders)  # type: ignore[list-item]
     assert ["ref" in entry for entry in stored] == [False, False] + [True] * (len(items) - 2) + [False]
-    assert stored[-1] == again.model_dump(mode="json")
+    assert stored[-1] == SEGMENT.dump_python(again, mode="json")
 
 
 def test_an_item_logged_without_a_render_is_rendered_by_the_build() -> None:
