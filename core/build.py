@@ -348,18 +348,20 @@ def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
     """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
     cls = type(item)
     region, budget_class, role, paired = _TYPE_FIELDS.get(cls) or _type_fields(cls)
+    # In field order, positionally (a cold worker's memo makes one per logged item; keywords cost it a third more):
+    # item_id, kind, region, budget_class, role, trust, text, raw_tokens, call_id, taints. Only the kinds that
+    # pair have a call id (a missing attribute costs a pydantic model an exception).
     return Segment(
-        item_id=item.id,
-        kind=item.kind,
-        region=region,
-        budget_class=budget_class,
-        role=role,
-        trust=item.trust,
-        text=text,
-        raw_tokens=raw_tokens,
-        # Only the kinds that pair have the field (a missing attribute costs a pydantic model an exception).
-        call_id=item.call_id if paired else None,  # type: ignore[attr-defined]
-        taints=item.taints_view(),
+        item.id,
+        item.kind,
+        region,
+        budget_class,
+        role,
+        item.trust,
+        text,
+        raw_tokens,
+        item.call_id if paired else None,  # type: ignore[attr-defined]
+        item.taints_view(),
     )
 
 
