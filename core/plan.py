@@ -4,22 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar, dataclass_transform
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from core.items import BudgetClass, Region, Role, TrustLevel
 
+T = TypeVar("T")
 
-@dataclass(slots=True)
+
+@dataclass_transform(frozen_default=True)
+def _value(cls: type[T]) -> type[T]:
+    """A slotted dataclass the type checker holds frozen (`make lint` refuses an assignment to a field), built at
+    a plain dataclass's cost (a frozen one sets each field through `object.__setattr__`: several times it)."""
+    return dataclass(slots=True, unsafe_hash=True)(cls)
+
+
+@_value
 class Segment:
-    """One rendered item in its assembly position. Never changed once made: memos, plans and request bodies share
-    each one by identity.
+    """One rendered item in its assembly position. Never changed once made (`_value`): memos, plans and request
+    bodies share each one by identity.
 
     A plain value, not a pydantic model: a worker that has not seen a session makes one for each of its logged
     items, and a model costs several times the construction and three objects for the garbage collector instead
-    of one (a frozen dataclass, twice the construction again: each field is set through `object.__setattr__`).
-    Pydantic validates and serialises it as a field of the models that hold it (`ContextPlan`, `FrozenPrefix`);
-    `SEGMENT` does it for one alone."""
+    of one. Pydantic validates and serialises it as a field of the models that hold it (`ContextPlan`,
+    `FrozenPrefix`); `SEGMENT` does it for one alone."""
 
     item_id: str
     kind: str

@@ -122,3 +122,15 @@ def test_segments_made_together_are_the_ones_made_one_by_one() -> None:
     together = segments_of(items + tainted, texts, counts)
     assert together == [segment_of(i, t, c) for i, t, c in zip(items + tainted, texts, counts, strict=True)]
     assert [s.taints for s in together[len(items) :]] == [True] * len(tainted)
+
+
+def test_a_segment_is_a_value_and_its_json_form_gives_it_back() -> None:
+    """A segment (a slotted dataclass, not a pydantic model) is equal to and hashed as any segment of the same
+    fields, and the JSON form the store keeps of it (`SEGMENT`) gives back an equal one, its enums restored."""
+    item = history(2)[1]
+    seg = segment_of(item, render_item(item, SECRET), 7)
+    again = SEGMENT.validate_python(SEGMENT.dump_python(seg, mode="json"))
+    assert again == seg and hash(again) == hash(seg) and again is not seg
+    assert type(again.region) is type(seg.region) and type(again.trust) is type(seg.trust)
+    assert SEGMENT.dump_python(seg, mode="json")["region"] == seg.region.value
+    assert segment_of(item, "other text", 7) != seg
