@@ -9,8 +9,10 @@ with a typed, non-retryable error.
 from __future__ import annotations
 
 import bisect
+import functools
 import operator
 from collections import OrderedDict
+from itertools import compress
 from typing import Any, NamedTuple
 
 import structlog
@@ -44,6 +46,15 @@ class StoredRender(NamedTuple):
     tokens: dict[str, int]  # its raw token count per counter key
     referable: bool  # its segment's other fields were stored too: a request body may refer to it
     pointer: dict[str, Any] | None  # a tool result's pointer render: {"text", "tokens" per counter key}
+
+
+_stored_render = functools.partial(tuple.__new__, StoredRender)  # a StoredRender from its fields' tuple
+_item, _text, _referable, _pointer = (operator.itemgetter(i) for i in (0, 1, 3, 4))  # a StoredRender's fields
+_id, _item_id = operator.attrgetter("id"), operator.attrgetter("item_id")
+
+
+def _has_render(rendered: str | None, tokens: dict[str, int] | None) -> bool:
+    return rendered is not None and bool(tokens)
 
 
 class BuiltRequest(NamedTuple):
@@ -195,19 +206,22 @@ class SessionCache:
 
     def _take(self, stored: list[StoredRender], cache: RenderCache, refs: dict[str, Segment]) -> None:
         """`cache` takes each of `stored` (and its pointer's render) that `cache`'s counter counted; `refs` (the
-        referable segments of `cache`'s counter) each segment made, when the store kept its other fields."""
+        referable segments of `cache`'s counter) each segment made, when the store kept its other fields.
+
+        In whole-column steps (a cold worker takes thousands): only the pointers are visited one by one."""
         key = cache.counter_key
         mine = [s for s in stored if key in s.tokens]
-        segs = cache.adopt_all([s.item for s in mine], [s.text for s in mine], [s.tokens[key] for s in mine])
-        for s, seg in zip(mine, segs, strict=True):
-            item = s.item
-            if s.referable:
-                refs[item.id] = seg
-            pointer = s.pointer
+        items = list(map(_item, mine))
+        counts = [s.tokens[key] for s in mine]
+        segs = cache.adopt_all(items, list(map(_text, mine)), counts)
+        referable = list(map(_referable, mine))
+        refs.update(zip(map(_id, compress(items, referable)), compress(segs, referable), strict=True))
+        for s, n in compress(zip(mine, counts, strict=True), map(_pointer, mine)):
+            item, pointer = s.item, s.pointer
             if pointer is not None and type(item) is ToolResult:
                 pointer_tokens = pointer["tokens"].get(key)
                 if pointer_tokens is not None:
-                    cache.adopt_pointer(item, s.tokens[key], pointer["text"], pointer_tokens)
+                    cache.adopt_pointer(item, n, pointer["text"], pointer_tokens)
 
     def join(self, rows: LiveLog) -> None:
         """Logged items (`rows`, in log order, after what the memo holds) join the memo of the log, their stored
@@ -218,19 +232,18 @@ class SessionCache:
         self.items += items
         self.max_seq = items[-1].seq
         by_id, open_calls = self.by_id, self.open_calls
-        for item in items:
-            by_id[item.id] = item
-            if isinstance(item, ToolCall):
+        by_id.update(zip(map(_id, items), items, strict=True))
+        for item in items:  # `type(...) is`: an isinstance check of a pydantic model costs several times it
+            if type(item) is ToolCall:
                 open_calls[item.call_id] = item
-            elif isinstance(item, ToolResult):
+            elif type(item) is ToolResult:
                 open_calls.pop(item.call_id, None)
-        stored = [
-            StoredRender(item, rendered, tokens, referable, pointer)
-            for item, rendered, tokens, referable, pointer in rows.rows()
-            if rendered is not None and tokens
-        ]
-        for s in stored:
-            self.stored[s.item.id] = s
+        # Each row with a stored render, as a `StoredRender` made in one C-level pass (no Python call per row).
+        renders, counts = rows.renders, rows.counts
+        fields = zip(items, renders, counts, rows.referable, rows.pointers, strict=True)
+        every = None not in renders and all(counts)  # else some were logged before renders were stored
+        stored = list(map(_stored_render, fields if every else compress(fields, map(_has_render, renders, counts))))
+        self.stored.update(zip(map(_id, map(_item, stored)), stored, strict=True))
         for key, cache in self.renders.items():
             self._take(stored, cache, self.referable.setdefault(key, {}))
 
@@ -240,7 +253,9 @@ class SessionCache:
         whose fields the store keeps with the item; the segment's JSON for the others (per-request segments,
         pointers, the turn's message, items logged before segments were stored)."""
         refs = self.referable.get(renders.counter_key, {})
-        return [{"ref": seg.item_id} if refs.get(seg.item_id) is seg else self.json_of(seg) for seg in segments]
+        ids = list(map(_item_id, segments))
+        stored = map(operator.is_, map(refs.get, ids), segments)
+        return [{"ref": i} if same else self.json_of(seg) for i, same, seg in zip(ids, stored, segments, strict=True)]
 
     def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
         """A stored request body of this session (`StoredRequest`, references left in) in the provider port's

@@ -15,6 +15,7 @@ import hashlib
 import math
 import operator
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -175,19 +176,18 @@ class HistoryScan:
         scan.results_raw = self.results_raw
         scan.pointers = self.pointers
         scan.tainted = self.tainted
-        new_segs: list[Segment] = []
-        for index in range(start, len(older)):
-            h = older[index]
-            seg = cache.lookup(h) or cache.segment(h, estimator)
-            raw = seg.raw_tokens
-            new_segs.append(seg)
-            scan.raws.append(raw)
-            scan.raw_total += raw
-            scan.pointers += seg.kind == _POINTER
-            scan.tainted += seg.taints
-            if type(h) is ToolResult:
-                scan.results_raw += raw
-                scan.truncatable.append(index)
+        new = older[start:]
+        # Column by column (a cold worker's first build scans thousands of items): each item's segment, then
+        # each column's totals in C-level passes.
+        new_segs = cache.segments(new, estimator)
+        raws = list(map(_raw_tokens, new_segs))
+        scan.raws += raws
+        scan.raw_total += sum(raws)
+        scan.pointers += list(map(_kind, new_segs)).count(_POINTER)
+        scan.tainted += sum(map(_taints, new_segs))
+        results = list(map(operator.is_, map(type, new), repeat(ToolResult)))
+        scan.results_raw += sum(compress(raws, results))
+        scan.truncatable += compress(range(start, len(older)), results)
         scan.segs += new_segs
         scan.pairs = self.pairs.copy().feed(new_segs)
         return scan
@@ -217,6 +217,14 @@ class RenderCache:
         """The cached segment of exactly this item object (the warm path's cheap check)."""
         entry = self._entries.get(item.id)
         return entry[1] if entry is not None and entry[0] is item else None
+
+    def segments(self, items: Sequence[Item], estimator: TokenEstimator) -> list[Segment]:
+        """`segment` of each of `items`; in C-level passes when each one is memoised (a cold worker's first build
+        takes thousands from the renders stored with them)."""
+        got = list(map(self._entries.get, map(_id, items)))
+        if all(got) and all(map(operator.is_, map(_first, got), items)):  # type: ignore[arg-type]
+            return list(map(_second, got))  # type: ignore[arg-type]
+        return [self.lookup(item) or self.segment(item, estimator) for item in items]
 
     def pointer_segment(self, result: ToolResult, raw_tokens: int, estimator: TokenEstimator) -> Segment:
         """The segment of the typed pointer that stands for `result`, built once per result."""
@@ -250,9 +258,12 @@ class RenderCache:
         k = same // _HASH_CHECKPOINT_EVERY
         del self._checkpoints[k + 1 :]
         digest = self._checkpoints[k].copy()
-        for index in range(k * _HASH_CHECKPOINT_EVERY, len(body)):
-            digest.update(body[index].text.encode("utf-8", "surrogatepass"))
-            if (index + 1) % _HASH_CHECKPOINT_EVERY == 0:
+        # The texts from the checkpoint on, a checkpoint's worth at a time (one encode and update each).
+        texts = list(map(_text, body[k * _HASH_CHECKPOINT_EVERY :]))
+        for at in range(0, len(texts), _HASH_CHECKPOINT_EVERY):
+            chunk = texts[at : at + _HASH_CHECKPOINT_EVERY]
+            digest.update("".join(chunk).encode("utf-8", "surrogatepass"))
+            if len(chunk) == _HASH_CHECKPOINT_EVERY:
                 self._checkpoints.append(digest.copy())
         self._chain = body
         return str(digest.hexdigest())
@@ -421,6 +432,12 @@ def open_prefix(
 
 
 _seq = attrgetter("seq")
+_raw_tokens = attrgetter("raw_tokens")
+_kind = attrgetter("kind")
+_taints = attrgetter("taints")
+_text = attrgetter("text")
+_id = attrgetter("id")
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
 _HASH_CHECKPOINT_EVERY = 64
 _POINTER = "elided_span"
 POINTER_BATCH = 8
