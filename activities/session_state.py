@@ -50,7 +50,7 @@ class StoredRender(NamedTuple):
 
 _stored_render = functools.partial(tuple.__new__, StoredRender)  # a StoredRender from its fields' tuple
 _item, _text, _referable, _pointer = (operator.itemgetter(i) for i in (0, 1, 3, 4))  # a StoredRender's fields
-_id, _item_id = operator.attrgetter("id"), operator.attrgetter("item_id")
+_id = operator.attrgetter("id")
 
 
 def _has_render(rendered: str | None, tokens: dict[str, int] | None) -> bool:
@@ -253,9 +253,7 @@ class SessionCache:
         whose fields the store keeps with the item; the segment's JSON for the others (per-request segments,
         pointers, the turn's message, items logged before segments were stored)."""
         refs = self.referable.get(renders.counter_key, {})
-        ids = list(map(_item_id, segments))
-        stored = map(operator.is_, map(refs.get, ids), segments)
-        return [{"ref": i} if same else self.json_of(seg) for i, same, seg in zip(ids, stored, segments, strict=True)]
+        return [{"ref": seg.item_id} if refs.get(seg.item_id) is seg else self.json_of(seg) for seg in segments]
 
     def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
         """A stored request body of this session (`StoredRequest`, references left in) in the provider port's
