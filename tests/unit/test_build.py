@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.budget import ContextBudget
-from core.build import BodyInputs, RenderCache, build
+from core.build import BodyInputs, RenderCache, build, segment_of
 from core.compaction import Checkpoint, apply_checkpoint
 from core.items import (
     CorrectionLine,
@@ -20,7 +20,7 @@ from core.items import (
     UserMessage,
     WorkingStateBlock,
 )
-from core.plan import PlanStatus
+from core.plan import PlanStatus, Segment
 from tests.unit import factories as f
 
 BUDGET = ContextBudget()
@@ -71,6 +71,29 @@ class TestPurity:
         plan = _build(f.body(2))
         assert plan.request_sha256 == hashlib.sha256(plan.text.encode()).hexdigest()
         assert plan.prefix_sha256 == hashlib.sha256(plan.prefix_text.encode()).hexdigest()
+
+    @given(
+        lengths=st.lists(st.one_of(st.sampled_from([0, 1, 63, 64, 65, 128, 129]), st.integers(0, 300)), max_size=6),
+        changes=st.lists(st.integers(0, 299), max_size=5),
+    )
+    @settings(max_examples=100, deadline=None)
+    def test_a_resumed_request_hash_is_the_hash_of_the_bytes(self, lengths: list[int], changes: list[int]) -> None:
+        """Over successive requests through one memo (longer, shorter, changed anywhere), each request hash is the
+        SHA-256 of the prefix and body bytes, wherever it resumed from (checkpoints every 64 segments)."""
+        lengths = [1, 64, 65, 129, 128, *lengths]  # a segment alone, and a resume with one, or one more, to hash
+        cache = RenderCache(f.SECRET)
+        pool = [
+            segment_of(UserMessage(id=f"u{i}", seq=i, text=f"m{i}"), f"text {i}\n", 3)
+            for i in range(len(lengths) * 301)
+        ]
+        body: list[Segment] = []
+        for step, length in enumerate(lengths):
+            body = body[:length] + pool[len(body) : length] if length > len(body) else body[:length]
+            for at in changes:
+                if at < len(body) and step % 2:  # a different segment object in place: the hash resumes before it
+                    body = [*body[:at], pool[-1 - at], *body[at + 1 :]]
+            whole = PREFIX.text + "".join(seg.text for seg in body)
+            assert cache.request_hash(PREFIX, body) == hashlib.sha256(whole.encode()).hexdigest()
 
 
 class TestPrefixStability:
