@@ -12,8 +12,8 @@ import bisect
 import functools
 import operator
 from collections import OrderedDict
-from itertools import compress
-from typing import Any, NamedTuple
+from itertools import compress, repeat
+from typing import Any, NamedTuple, cast
 
 import structlog
 from temporalio.exceptions import ApplicationError
@@ -49,8 +49,11 @@ class StoredRender(NamedTuple):
 
 
 _stored_render = functools.partial(tuple.__new__, StoredRender)  # a StoredRender from its fields' tuple
-_item, _text, _referable, _pointer = (operator.itemgetter(i) for i in (0, 1, 3, 4))  # a StoredRender's fields
+_item, _text, _tokens, _referable, _pointer = map(operator.itemgetter, range(5))  # a StoredRender's fields
+_pointer_text, _pointer_tokens = operator.itemgetter("text"), operator.itemgetter("tokens")  # a stored pointer's
 _id = operator.attrgetter("id")
+_item_id = operator.attrgetter("item_id")  # a segment's
+_PAIRED = frozenset({ToolCall, ToolResult})  # the item types the open-call pass visits
 
 
 def _has_render(rendered: str | None, tokens: dict[str, int] | None) -> bool:
@@ -210,18 +213,26 @@ class SessionCache:
 
         In whole-column steps (a cold worker takes thousands): only the pointers are visited one by one."""
         key = cache.counter_key
-        mine = [s for s in stored if key in s.tokens]
+        counts: list[int | None] = list(map(dict.get, map(_tokens, stored), repeat(key)))
+        mine = stored
+        if None in counts:  # some were counted by another counter only
+            counted = list(map(operator.is_not, counts, repeat(None)))
+            mine, counts = list(compress(stored, counted)), list(compress(counts, counted))
         items = list(map(_item, mine))
-        counts = [s.tokens[key] for s in mine]
-        segs = cache.adopt_all(items, list(map(_text, mine)), counts)
+        segs = cache.adopt_all(items, list(map(_text, mine)), cast(list[int], counts))
         referable = list(map(_referable, mine))
         refs.update(zip(map(_id, compress(items, referable)), compress(segs, referable), strict=True))
-        for s, n in compress(zip(mine, counts, strict=True), map(_pointer, mine)):
-            item, pointer = s.item, s.pointer
-            if pointer is not None and type(item) is ToolResult:
-                pointer_tokens = pointer["tokens"].get(key)
-                if pointer_tokens is not None:
-                    cache.adopt_pointer(item, n, pointer["text"], pointer_tokens)
+        # The tool results' pointers this counter counted (only a tool result is stored with one).
+        pointed = list(compress(zip(items, counts, map(_pointer, mine), strict=True), map(_pointer, mine)))
+        pointers = [p for p in pointed if type(p[0]) is ToolResult and key in p[2]["tokens"]]
+        if pointers:
+            results, result_tokens, stored_pointers = zip(*pointers, strict=True)
+            cache.adopt_pointers(
+                results,
+                result_tokens,
+                list(map(_pointer_text, stored_pointers)),
+                list(map(dict.__getitem__, map(_pointer_tokens, stored_pointers), repeat(key))),
+            )
 
     def join(self, rows: LiveLog) -> None:
         """Logged items (`rows`, in log order, after what the memo holds) join the memo of the log, their stored
@@ -233,7 +244,9 @@ class SessionCache:
         self.max_seq = items[-1].seq
         by_id, open_calls = self.by_id, self.open_calls
         by_id.update(zip(map(_id, items), items, strict=True))
-        for item in items:  # `type(...) is`: an isinstance check of a pydantic model costs several times it
+        # Only the calls and results, picked in a C-level pass (`type(...) in`: an isinstance check of a pydantic
+        # model costs several times it).
+        for item in compress(items, map(_PAIRED.__contains__, map(type, items))):
             if type(item) is ToolCall:
                 open_calls[item.call_id] = item
             elif type(item) is ToolResult:
@@ -253,7 +266,10 @@ class SessionCache:
         whose fields the store keeps with the item; the segment's JSON for the others (per-request segments,
         pointers, the turn's message, items logged before segments were stored)."""
         refs = self.referable.get(renders.counter_key, {})
-        return [{"ref": seg.item_id} if refs.get(seg.item_id) is seg else self.json_of(seg) for seg in segments]
+        # Which segments are referable, in C-level passes (a cold worker's first body refers to thousands).
+        ids = list(map(_item_id, segments))
+        referred = map(operator.is_, map(refs.get, ids), segments)
+        return [{"ref": i} if r else self.json_of(seg) for i, r, seg in zip(ids, referred, segments, strict=True)]
 
     def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
         """A stored request body of this session (`StoredRequest`, references left in) in the provider port's

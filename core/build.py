@@ -42,6 +42,7 @@ from core.items import (
     Role,
     ToolDefinition,
     ToolResult,
+    TrustLevel,
     TurnContext,
     WorkingStateBlock,
 )
@@ -199,7 +200,10 @@ class RenderCache:
     def __init__(self, secret: bytes, counter_key: str = "") -> None:
         self.secret = secret
         self.counter_key = counter_key
-        self._entries: dict[str, tuple[Item, Segment]] = {}
+        # By item id: the item a segment was made of, and the segment (two dicts, not a pair per item: a cold
+        # worker's memo holds thousands).
+        self._items: dict[str, Item] = {}
+        self._segs: dict[str, Segment] = {}
         self._pointers: dict[str, tuple[ToolResult, Segment]] = {}
         # Pointer renders stored at write time, by result id: (the result's count, the text, the pointer's count).
         self._stored_pointers: dict[str, tuple[int, str, int]] = {}
@@ -211,19 +215,18 @@ class RenderCache:
         self._visible: tuple[Sequence[HistoryItem], Checkpoint | None, list[HistoryItem]] = ((), None, [])
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._segs)
 
     def lookup(self, item: Item) -> Segment | None:
         """The cached segment of exactly this item object (the warm path's cheap check)."""
-        entry = self._entries.get(item.id)
-        return entry[1] if entry is not None and entry[0] is item else None
+        return self._segs.get(item.id) if self._items.get(item.id) is item else None
 
     def segments(self, items: Sequence[Item], estimator: TokenEstimator) -> list[Segment]:
         """`segment` of each of `items`; in C-level passes when each one is memoised (a cold worker's first build
         takes thousands from the renders stored with them)."""
-        got = list(map(self._entries.get, map(_id, items)))
-        if all(got) and all(map(operator.is_, map(_first, got), items)):  # type: ignore[arg-type]
-            return list(map(_second, got))  # type: ignore[arg-type]
+        ids = list(map(_id, items))
+        if all(map(operator.is_, map(self._items.get, ids), items)):
+            return list(map(self._segs.__getitem__, ids))
         return [self.lookup(item) or self.segment(item, estimator) for item in items]
 
     def pointer_segment(self, result: ToolResult, raw_tokens: int, estimator: TokenEstimator) -> Segment:
@@ -240,11 +243,15 @@ class RenderCache:
         self._pointers[result.id] = (result, seg)
         return seg
 
-    def adopt_pointer(self, result: ToolResult, result_tokens: int, text: str, raw_tokens: int) -> None:
-        """Take the pointer that may stand for `result` (counted `result_tokens` by this cache's counter) from its
-        render stored at write time (`text`, counted `raw_tokens`), for when a build needs it: a cold worker's
-        build of a session under pressure reads its pointers instead of rendering and counting them."""
-        self._stored_pointers[result.id] = (result_tokens, text, raw_tokens)
+    def adopt_pointers(
+        self, results: Sequence[ToolResult], result_tokens: Sequence[int], texts: Sequence[str], counts: Sequence[int]
+    ) -> None:
+        """Take the pointers that may stand for `results` (each counted `result_tokens` by this cache's counter)
+        from their renders stored at write time (`texts`, counted `counts`), for when a build needs them: a cold
+        worker's build of a session under pressure reads its pointers instead of rendering and counting them."""
+        self._stored_pointers.update(
+            zip(map(_id, results), zip(result_tokens, texts, counts, strict=True), strict=True)
+        )
 
     def request_hash(self, prefix: FrozenPrefix, body: list[Segment]) -> str:
         """SHA-256 of prefix + body bytes, resumed from the last checkpoint before the first changed segment."""
@@ -271,7 +278,8 @@ class RenderCache:
     def forget(self, item_ids: set[str]) -> None:
         """Drop the memo of items no build will show again (covered by a checkpoint): memory stays bounded."""
         for item_id in item_ids:
-            self._entries.pop(item_id, None)
+            self._items.pop(item_id, None)
+            self._segs.pop(item_id, None)
             self._pointers.pop(item_id, None)
             self._stored_pointers.pop(item_id, None)
 
@@ -320,9 +328,9 @@ class RenderCache:
         return scan
 
     def segment(self, item: Item, estimator: TokenEstimator) -> Segment:
-        entry = self._entries.get(item.id)
-        if entry is not None and (entry[0] is item or entry[0] == item):
-            return entry[1]
+        known = self._items.get(item.id)
+        if known is not None and (known is item or known == item):
+            return self._segs[item.id]
         text = render_item(item, self.secret)
         if type(item) is TurnContext:  # a new one per request (its id names the call): not worth a memo entry
             return segment_of(item, text, estimator.count(text))
@@ -334,22 +342,29 @@ class RenderCache:
         Renders are deterministic (the nonce comes from the secret and the item id), so the two are the same
         bytes; the determinism gate re-renders stored items to check it."""
         seg = segment_of(item, text, raw_tokens)
-        self._entries[item.id] = (item, seg)
+        self._items[item.id] = item
+        self._segs[item.id] = seg
         return seg
 
     def adopt_all(self, items: Sequence[Item], texts: Sequence[str], counts: Sequence[int]) -> list[Segment]:
         """`adopt` for each of `items` (rendered as `texts`, counted as `counts`), their segments made in one go."""
         segs = segments_of(items, texts, counts)
-        entries = self._entries
-        for item, seg in zip(items, segs, strict=True):
-            entries[item.id] = (item, seg)
+        ids = list(map(_id, items))
+        self._items.update(zip(ids, items, strict=True))
+        self._segs.update(zip(ids, segs, strict=True))
         return segs
 
 
-def _type_fields(cls: type[Item]) -> tuple[Region, BudgetClass, Role, bool]:
-    """What the segments of an item type share: region, budget class, role, and whether the kind pairs (has a
-    call id)."""
-    return cls.region, cls.budget_class, cls.role, "call_id" in cls.model_fields
+def _type_fields(cls: type[Item]) -> tuple[Region, BudgetClass, Role, bool, bool]:
+    """What the segments of an item type share: region, budget class, role, whether the kind pairs (has a call
+    id), and whether its taint is the base rule's (its own flag, or untrusted content)."""
+    return (
+        cls.region,
+        cls.budget_class,
+        cls.role,
+        "call_id" in cls.model_fields,
+        cls.taints_view is Item.taints_view,
+    )
 
 
 _TYPE_FIELDS = {t: _type_fields(t) for t in ITEM_TYPES}
@@ -358,7 +373,7 @@ _TYPE_FIELDS = {t: _type_fields(t) for t in ITEM_TYPES}
 def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
     """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
     cls = type(item)
-    region, budget_class, role, paired = _TYPE_FIELDS.get(cls) or _type_fields(cls)
+    region, budget_class, role, paired, _ = _TYPE_FIELDS.get(cls) or _type_fields(cls)
     # In field order, positionally (a cold worker's memo makes one per logged item; keywords cost it a third more):
     # item_id, kind, region, budget_class, role, trust, text, raw_tokens, call_id, taints. Only the kinds that
     # pair have a call id (a missing attribute costs a pydantic model an exception).
@@ -377,8 +392,33 @@ def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
 
 
 def segments_of(items: Sequence[Item], texts: Sequence[str], counts: Sequence[int]) -> list[Segment]:
-    """Each item's segment, as `segment_of` makes it (a cold worker's memo makes thousands)."""
-    return list(map(segment_of, items, texts, counts))
+    """Each item's segment, as `segment_of` makes it (a cold worker's memo makes thousands): column by column, in
+    C-level passes, when every item's type is known and taints by the base rule; else one by one."""
+    fields: list[Any] = list(map(_TYPE_FIELDS.get, map(type, items)))
+    if None in fields or not all(map(_base_taint, fields)):
+        return list(map(segment_of, items, texts, counts))
+    # An item's fields by name, from its `__dict__` (a pydantic model keeps them there): a call id is None for
+    # the kinds that do not pair, as in `segment_of`.
+    data = list(map(_fields, items))
+    trusts = list(map(_trust_field, data))
+    taints = map(
+        operator.or_, map(_tainted_field, data), map(operator.is_, trusts, repeat(TrustLevel.EXTERNAL_UNTRUSTED))
+    )
+    return list(
+        map(
+            Segment,
+            map(_id_field, data),
+            map(_kind_field, data),
+            map(_first, fields),
+            map(_second, fields),
+            map(_third, fields),
+            trusts,
+            texts,
+            counts,
+            map(dict.get, data, repeat("call_id")),
+            taints,
+        )
+    )
 
 
 def open_prefix(
@@ -437,7 +477,10 @@ _kind = attrgetter("kind")
 _taints = attrgetter("taints")
 _text = attrgetter("text")
 _id = attrgetter("id")
-_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+_first, _second, _third = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_base_taint = operator.itemgetter(4)  # a `_TYPE_FIELDS` entry's: the type taints by `Item.taints_view`
+_fields = attrgetter("__dict__")
+_id_field, _kind_field, _trust_field, _tainted_field = map(operator.itemgetter, ("id", "kind", "trust", "tainted"))
 _HASH_CHECKPOINT_EVERY = 64
 _POINTER = "elided_span"
 POINTER_BATCH = 8

@@ -11,7 +11,7 @@ from activities.session_state import SessionCache
 from core.budget import ContextBudget
 from core.build import build, segment_of, segments_of
 from core.item_rendering import render_item
-from core.items import HistoryItem
+from core.items import HistoryItem, WorkingStateBlock
 from core.plan import SEGMENT
 from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
 
@@ -122,6 +122,14 @@ def test_segments_made_together_are_the_ones_made_one_by_one() -> None:
     together = segments_of(items + tainted, texts, counts)
     assert together == [segment_of(i, t, c) for i, t, c in zip(items + tainted, texts, counts, strict=True)]
     assert [s.taints for s in together[len(items) :]] == [True] * len(tainted)
+    assert all(type(s.taints) is bool for s in together)
+    # With an item whose type taints by a rule of its own (a working state holding a tainted entry), each one
+    # is made one by one, the same way.
+    block = WorkingStateBlock(id="ws", text="constraints: none", holds_tainted=True)
+    mixed = [*items[:3], block, *items[3:6]]
+    texts = [render_item(item, SECRET) for item in mixed]
+    segs = segments_of(mixed, texts, [7] * len(mixed))
+    assert segs == [segment_of(i, t, 7) for i, t in zip(mixed, texts, strict=True)] and segs[3].taints
 
 
 def test_a_segment_is_a_value_and_its_json_form_gives_it_back() -> None:
