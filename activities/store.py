@@ -502,6 +502,12 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+# Each connection of the store's pool plans its prepared statements once, generically: PostgreSQL's default
+# plans each of a connection's first five executions of a statement for its parameters (about 1-2 ms for a
+# build's read), the cold worker's case, and then settles on the generic plan for the store's statements anyway.
+SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for name in ("json", "jsonb"):
         await conn.set_type_codec(name, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
@@ -525,7 +531,12 @@ class Store:
     @asynccontextmanager
     async def from_dsn(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> AsyncIterator[Store]:
         pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, init=_init_connection, connection_class=_StoreConnection
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            connection_class=_StoreConnection,
+            server_settings=SERVER_SETTINGS,
         )
         try:
             yield cls(pool)

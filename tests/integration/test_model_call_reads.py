@@ -13,7 +13,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.provider import ModelProvider, ProviderReply, ProviderRequest, ProviderSegment
 from activities.providers import build_providers
 from activities.session import SessionActivities
-from activities.store import Store
+from activities.store import SQL_STORE_REQUEST, SQL_TURN_READS, Store
 from contract.payloads import BuildInput, ModelInput
 from harness.bench import cold_build
 from harness.bench.measure import CountingPool, DbCounts
@@ -188,3 +188,25 @@ async def test_another_worker_sends_the_built_request_taking_the_items_it_refers
         inp, expected = await build(last + 2)
         assert await call(inp, *worker()) == 3  # the read, the epoch's prefix (once a worker) and the write
         assert model.sent[-1] == expected and model.calls == 2
+
+
+async def test_a_cold_worker_plans_its_reads_once(pg_dsn: str) -> None:
+    """A fresh pool's connection plans each prepared statement once, for any parameters (`SERVER_SETTINGS`): in
+    PostgreSQL's own record of the build's read and write, no plan was made for one execution's parameters, where
+    its default plans each of a connection's first five executions (about 1-2 ms each for the build's read)."""
+    async with Store.from_dsn(pg_dsn, max_size=1) as store:  # one connection: every build's statements on it
+        session_id, turn, providers, _ = await _seeded(store)
+        for i in range(4):  # each by a worker that has not seen the session
+            await ActivityEnvironment().run(
+                SessionActivities(store, providers).build.build_context,
+                BuildInput(
+                    session_id=session_id, turn=turn + i, call_index=0, epoch=1, now_iso=NOW, user_text=f"turn {i}"
+                ),
+            )
+        async with store.pool.acquire() as conn:
+            plans = {
+                r["statement"]: (r["generic_plans"], r["custom_plans"])
+                for r in await conn.fetch("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+            }
+    assert plans[SQL_TURN_READS][0] >= 4 and plans[SQL_STORE_REQUEST][0] >= 4
+    assert all(custom == 0 for _, custom in plans.values()), plans
