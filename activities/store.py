@@ -503,8 +503,8 @@ def sha256_text(text: str) -> str:
 
 
 # Each connection of the store's pool plans its prepared statements once, generically: PostgreSQL's default
-# plans each of a connection's first five executions of a statement for its parameters (about 1-2 ms for a
-# build's read), the cold worker's case, and then settles on the generic plan for the store's statements anyway.
+# plans each of a connection's first five executions of a statement for its parameters (1-2.3 ms for a build's
+# read), the cold worker's case, before it may settle on a generic plan (docs/operations.md).
 SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
 
 

@@ -90,7 +90,10 @@ class Item(BaseModel):
         raise NotImplementedError
 
     def taints_view(self) -> bool:
-        """Whether a model that reads this item may derive untrusted content from it (docs/trust.md)."""
+        """Whether a model that reads this item may derive untrusted content from it (docs/trust.md).
+
+        `core.build.segments_of` applies this rule column by column to the types that do not override it: change
+        both together (`tests/unit/test_session_memo.py` compares them)."""
         return self.tainted or self.trust is TrustLevel.EXTERNAL_UNTRUSTED
 
 
