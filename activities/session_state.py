@@ -261,29 +261,64 @@ class SessionCache:
             self._take(stored, cache, self.referable.setdefault(key, {}))
 
     def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
-        """`segments` as a request body stores them: a reference (`{"ref": item id}`) for each segment that is a
-        logged item's stored render (the very segment `renders` took from it, with the stored text and count),
-        whose fields the store keeps with the item; the segment's JSON for the others (per-request segments,
-        pointers, the turn's message, items logged before segments were stored)."""
+        """`segments` as a request body stores them. A segment that is a logged item's stored render (the very
+        segment `renders` took from it, with the stored text and count), whose fields the store keeps with the
+        item, is stored as a reference to the item: a run of them at consecutive log positions as one entry,
+        `{"seqs": [first, last]}`, a lone one as `{"ref": item id}`. The others (per-request segments, pointers,
+        the turn's message, items logged before segments were stored) are stored as the segment's JSON.
+
+        So a cold worker's first body, which shows thousands of logged items in log order, stores a few entries
+        (docs/operations.md, "Schema and migrations")."""
         refs = self.referable.get(renders.counter_key, {})
-        # Which segments are referable, in C-level passes (a cold worker's first body refers to thousands).
+        # Which segments are referable, in C-level passes (a cold worker's first body refers to thousands); a
+        # loop over them makes the runs.
         ids = list(map(_item_id, segments))
         referred = map(operator.is_, map(refs.get, ids), segments)
-        return [{"ref": i} if r else self.json_of(seg) for i, r, seg in zip(ids, referred, segments, strict=True)]
+        by_id = self.by_id
+        out: list[dict[str, Any]] = []
+        run: list[Any] = []  # the open run: its first item's id, its first and last log positions
+
+        def close_run() -> None:
+            if run:
+                out.append({"ref": run[0]} if run[1] == run[2] else {"seqs": run[1:]})
+                run.clear()
+
+        for item_id, is_ref, seg in zip(ids, referred, segments, strict=True):
+            if not is_ref:
+                close_run()
+                out.append(self.json_of(seg))
+                continue
+            seq = by_id[item_id].seq
+            if run and seq == run[2] + 1:
+                run[2] = seq
+            else:
+                close_run()
+                run.extend((item_id, seq, seq))
+        close_run()
+        return out
 
     def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
         """A stored request body of this session (`StoredRequest`, references left in) in the provider port's
-        form, each reference (`{"ref", "session", "counter"}`) the segment this memo took from the item's stored
-        render: the one the body was stored with, which the store would expand it to (`EXPANDED_BODY`). None
-        when a reference names an item the memo does not hold (another session's, or one a checkpoint pruned)."""
+        form, each reference the segment this memo took from the item's stored render: the one the body was
+        stored with, which the store would expand it to (`EXPANDED_BODY`). A reference names its item by id
+        (`{"ref", "session", "counter"}`) or, for a run's item, by log position (`{"seq", "session", "counter"}`).
+        None when a reference names an item the memo does not hold (another session's, or one a checkpoint
+        pruned)."""
         out: list[ProviderSegment] = []
+        at: dict[int, str] | None = None  # the memo's items' ids by log position, made at the first position
         for entry in body:
-            item_id = entry.get("ref")
-            if item_id is None:
+            if "ref" not in entry and "seq" not in entry:
                 out.append(provider_segment(entry))
                 continue
             if entry["session"] != session_id:
                 return None
+            item_id = entry.get("ref")
+            if item_id is None:
+                if at is None:
+                    at = dict(zip(map(_seq, self.items), map(_id, self.items), strict=True))
+                item_id = at.get(entry["seq"])
+                if item_id is None:
+                    return None
             key = entry["counter"]
             self.render_memo(key)  # made (taking the stored renders) when this worker has not counted with it
             seg = self.referable[key].get(item_id)

@@ -204,17 +204,34 @@ def _chain_cte(sha: str, limit: str) -> str:
 )"""
 
 
-# A link of the chain with the items its tail refers to ({"ref": item id}) replaced by their segments, made of
-# what was stored with each item when it was logged (its segment's fields, its text, its count by the link's
-# counter). A reference that does not resolve stays as it is (`_whole` names it).
-EXPANDED_BODY = """CASE WHEN jsonb_typeof(chain.body) = 'object' AND chain.body ? 'session'
+def _stored_segment(row: str) -> str:
+    """The segment stored with the items row `row`, its count the link's counter's (SQL)."""
+    counted = "(chain.body->>'counter')"
+    return f"{row}.segment || jsonb_build_object('text', {row}.rendered, 'raw_tokens', {row}.tokens -> {counted})"
+
+
+# A link of the chain with the items its tail refers to replaced by their segments, made of what was stored with
+# each item when it was logged (its segment's fields, its text, its count by the link's counter): a reference
+# ({"ref": item id}) by one, a run ({"seqs": [first, last]}: the items at those log positions and between) by the
+# run's items in log order, when every position holds an item stored with its segment and that count. A reference
+# or run that does not resolve stays as it is (`_whole` names it).
+_EXPANDED_BODY = """CASE WHEN jsonb_typeof(chain.body) = 'object' AND chain.body ? 'session'
 THEN jsonb_set(chain.body, '{tail}', (
-    SELECT coalesce(jsonb_agg(CASE WHEN i.segment IS NOT NULL AND i.tokens ? (chain.body->>'counter')
-        THEN i.segment || jsonb_build_object('text', i.rendered, 'raw_tokens', i.tokens -> (chain.body->>'counter'))
-        ELSE t.e END ORDER BY t.o), '[]'::jsonb)
+    SELECT coalesce(jsonb_agg(x.seg ORDER BY t.o, x.n), '[]'::jsonb)
     FROM jsonb_array_elements(chain.body->'tail') WITH ORDINALITY AS t(e, o)
     LEFT JOIN items i ON t.e ? 'ref' AND i.session_id = chain.body->>'session' AND i.item_id = t.e->>'ref'
+    CROSS JOIN LATERAL jsonb_array_elements(CASE
+        WHEN t.e ? 'seqs' THEN coalesce((
+            SELECT jsonb_agg({r} ORDER BY r.seq) FROM items r
+            WHERE r.session_id = chain.body->>'session'
+              AND r.seq BETWEEN (t.e->'seqs'->>0)::int AND (t.e->'seqs'->>1)::int
+            HAVING count(*) = (t.e->'seqs'->>1)::int - (t.e->'seqs'->>0)::int + 1
+               AND bool_and(r.segment IS NOT NULL AND r.tokens ? (chain.body->>'counter'))
+        ), jsonb_build_array(t.e))
+        WHEN i.segment IS NOT NULL AND i.tokens ? (chain.body->>'counter') THEN jsonb_build_array({i})
+        ELSE jsonb_build_array(t.e) END) WITH ORDINALITY AS x(seg, n)
 )) ELSE chain.body END"""
+EXPANDED_BODY = _EXPANDED_BODY.replace("{r}", _stored_segment("r")).replace("{i}", _stored_segment("i"))
 SQL_REQUEST_CHAIN = (
     "WITH RECURSIVE "
     + _chain_cte("$1", "$2")
@@ -1108,10 +1125,28 @@ def _whole(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
     request = _composed(sha, rows)
     if request is None:
         return None
-    unresolved = [seg["ref"] for seg in request.body if "ref" in seg]
+    unresolved = [seg for seg in request.body if "ref" in seg or "seq" in seg]
     if unresolved:
-        raise LookupError(f"request {sha} refers to items not logged with their segment: {unresolved[:5]}")
+        raise LookupError(f"request {sha} refers to items not logged with their segment: {_named(unresolved)[:5]}")
     return request
+
+
+def _named(refs: list[dict[str, Any]]) -> list[str]:
+    """References to logged items, named: an item by its id, a run of log positions as `#first-last`."""
+    names: list[str] = []
+    run: list[int] = []  # the open run's first and last positions
+    for ref in [*refs, {}]:
+        if "seq" in ref and run and ref["seq"] == run[1] + 1:
+            run[1] = ref["seq"]
+            continue
+        if run:
+            names.append(f"#{run[0]}" if run[0] == run[1] else f"#{run[0]}-{run[1]}")
+            run = []
+        if "seq" in ref:
+            run = [ref["seq"], ref["seq"]]
+        elif "ref" in ref:
+            names.append(ref["ref"])
+    return names
 
 
 def _composed(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
@@ -1138,12 +1173,22 @@ def _composed(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | No
 
 
 def _tagged(link: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A link's tail, each reference in it with the link's session and counter."""
+    """A link's tail, each reference in it with the link's session and counter, a run (`{"seqs": [first, last]}`)
+    as a reference per log position in it (`{"seq": position}`): a body's `keep` counts segments."""
     tail: list[dict[str, Any]] = link["tail"]
     if "session" not in link:  # stored before references were: whole segments only
         return tail
     where = {"session": link["session"], "counter": link["counter"]}
-    return [{**seg, **where} if "ref" in seg else seg for seg in tail]
+    out: list[dict[str, Any]] = []
+    for seg in tail:
+        if "ref" in seg:
+            out.append({**seg, **where})
+        elif "seqs" in seg:
+            first, last = seg["seqs"]
+            out += [{"seq": seq, **where} for seq in range(first, last + 1)]
+        else:
+            out.append(seg)
+    return out
 
 
 def _claim(row: Mapping[str, Any], *, owned: bool) -> SessionClaim:

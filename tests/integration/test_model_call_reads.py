@@ -157,10 +157,11 @@ async def test_another_worker_sends_the_built_request_taking_the_items_it_refers
             sha = built.plan.request_sha256
             memo = builder.state.cached(session_id)
             assert memo is not None
-            # The body as stored refers to the logged items (or the test would not test the references).
+            # The body as stored refers to the logged items (or the test would not test the references): as the
+            # read hands it on, a run of them is a reference per log position.
             chain = await store.call_reads(session_id, turn, 0, after_seq=memo.max_seq, epoch=1, request=sha)
             assert chain is not None and chain.request is not None
-            assert sum("ref" in seg for seg in chain.request.body) >= 40
+            assert sum("seq" in seg for seg in chain.request.body) >= 40
             expected = [memo.provider_of(s) for s in memo.built[sha].segments]
             return ModelInput(session_id=session_id, turn=turn, call_index=0, epoch=1, request_sha256=sha), expected
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -84,11 +85,15 @@ async def test_a_build_stores_logged_items_by_reference_and_reads_them_back_whol
         sha, built = await _build(cold, session_id, turn + 2, "anything new?")
         raw = await _raw_body(store, sha)
         assert raw["base"] is None and raw["session"] == session_id
-        refs = [entry["ref"] for entry in raw["tail"] if "ref" in entry]
-        literal = [entry["item_id"] for entry in raw["tail"] if "ref" not in entry]
-        assert len(refs) == 40 + len(untrusted)
+        # The 44 items logged with their segment, shown in log order: one run of positions, no segment copied.
+        logged = await store.pool.fetch("SELECT seq, item_id FROM items WHERE session_id = $1 ORDER BY seq", session_id)
+        assert [r["seq"] for r in logged] == list(range(46))
+        assert [r["item_id"] for r in logged][44:] == ["u:legacy", f"u:{turn + 2}"]  # the build logged its message
+        assert [entry for entry in raw["tail"] if "seqs" in entry or "ref" in entry] == [{"seqs": [0, 43]}]
+        literal = [entry["item_id"] for entry in raw["tail"] if "seqs" not in entry]
         assert "u:legacy" in literal and f"u:{turn + 2}" in literal  # no stored segment; the turn's message
-        assert len(json.dumps(raw)) * 4 < len(json.dumps(built))  # a few bytes per logged item, not its segment
+        assert len(literal) == len(built) - 44
+        assert len(json.dumps(raw)) * 10 < len(json.dumps(built))  # a few bytes per run, not per logged item
         whole = await store.get_request(sha)
         assert whole is not None and whole.body == built
         by_id = {seg["item_id"]: seg for seg in whole.body}
@@ -104,16 +109,29 @@ async def test_a_build_stores_logged_items_by_reference_and_reads_them_back_whol
 
 
 async def test_a_reference_that_does_not_resolve_is_named(pg_dsn: str) -> None:
-    """A body that refers to an item whose stored segment is gone does not read back short or wrong: the read
-    fails naming the item."""
+    """A body that refers to items whose stored segment is gone does not read back short or wrong: the read fails
+    naming each reference that does not resolve, a run by its log positions and a lone item by its id."""
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, last = await cold_build.seed(store, 12)
-        sha, _ = await _build(SessionActivities(store, build_providers()), session_id, last + 1, "hello")
-        await store.pool.execute(
-            "UPDATE items SET segment = NULL WHERE session_id = $1 AND item_id = 'u:3'", session_id
+        seeder = SessionActivities(store, build_providers())
+        _, _, cache = await seeder.state.session(session_id)
+        await seeder.state.items(session_id, cache)
+        # An item logged without its segment (stored whole in bodies) between the run and a lone reference.
+        await store.append_items(
+            session_id, last + 1, [{"id": "u:legacy", "kind": "user_message", "trust": "USER", "text": "old"}]
         )
-        with pytest.raises(LookupError, match=r"u:3"):
+        await seeder.state.append(
+            session_id, last + 1, [{"id": "u:lone", "kind": "user_message", "trust": "USER", "text": "new"}], cache
+        )
+        sha, _ = await _build(SessionActivities(store, build_providers()), session_id, last + 2, "hello")
+        raw = await _raw_body(store, sha)
+        assert [e for e in raw["tail"] if "seqs" in e or "ref" in e] == [{"seqs": [0, 11]}, {"ref": "u:lone"}]
+        assert (whole := await store.get_request(sha)) is not None and len(whole.body) > 14
+        await store.pool.execute(
+            "UPDATE items SET segment = NULL WHERE session_id = $1 AND item_id IN ('u:3', 'u:lone')", session_id
+        )
+        with pytest.raises(LookupError, match=re.escape("['#0-11', 'u:lone']")):
             await store.get_request(sha)
 
 

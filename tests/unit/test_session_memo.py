@@ -4,15 +4,20 @@ segments taken from referable stored renders, and what a checkpoint covers leave
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from activities.rows import LiveLog
 from activities.session_state import SessionCache
+from activities.store import _tagged
 from core.budget import ContextBudget
 from core.build import build, segment_of, segments_of
 from core.item_rendering import render_item
-from core.items import HistoryItem, WorkingStateBlock
-from core.plan import SEGMENT
+from core.items import HistoryItem, UserMessage, WorkingStateBlock
+from core.plan import SEGMENT, Segment
 from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
 
 
@@ -26,6 +31,24 @@ def _log(items: list[HistoryItem], *, referable: bool = True, rendered: bool = T
         referable=[referable] * len(items),
         pointers=[None] * len(items),
     )
+
+
+def _is_ref(entry: dict[str, Any]) -> bool:
+    return "ref" in entry or "seqs" in entry
+
+
+def _refers_to(stored: list[dict[str, Any]], cache: SessionCache) -> list[str | None]:
+    """Each segment of a stored body: the id of the logged item it refers to (a run of log positions, position by
+    position), or None for a segment stored whole."""
+    at = {item.seq: item.id for item in cache.items}
+    out: list[str | None] = []
+    for entry in stored:
+        if "seqs" in entry:
+            first, last = entry["seqs"]
+            out += [at[seq] for seq in range(first, last + 1)]
+        else:
+            out.append(entry.get("ref"))
+    return out
 
 
 def test_a_cold_memo_takes_the_stored_renders_and_refers_to_them() -> None:
@@ -43,12 +66,11 @@ def test_a_cold_memo_takes_the_stored_renders_and_refers_to_them() -> None:
     body_segments = plan.segments[len(prefix().segments) :]
     stored = cache.stored_body(body_segments, renders)
     logged = {item.id for item in inputs.history}
-    assert [entry.get("ref") for entry in stored if "ref" in entry] == [
-        seg.item_id for seg in body_segments if seg.item_id in logged
-    ]
-    assert {entry["item_id"] for entry in stored if "ref" not in entry} == {
+    assert _refers_to(stored, cache) == [seg.item_id if seg.item_id in logged else None for seg in body_segments]
+    assert [entry for entry in stored if _is_ref(entry)] == [{"seqs": [0, len(inputs.history) - 1]}]  # one run
+    assert [entry["item_id"] for entry in stored if not _is_ref(entry)] == [
         seg.item_id for seg in body_segments if seg.item_id not in logged
-    }
+    ]
 
 
 def test_only_the_segment_taken_from_a_referable_render_is_referred_to() -> None:
@@ -65,7 +87,7 @@ def test_only_the_segment_taken_from_a_referable_render_is_referred_to() -> None
     again = segment_of(items[-1], render_item(items[-1], SECRET), taken[-1].raw_tokens)  # type: ignore[union-attr]
     assert again == taken[-1]
     stored = cache.stored_body([*taken, again], renders)  # type: ignore[list-item]
-    assert ["ref" in entry for entry in stored] == [False, False] + [True] * (len(items) - 2) + [False]
+    assert _refers_to(stored, cache) == [None, None] + [item.id for item in items[2:]] + [None]
     assert stored[-1] == SEGMENT.dump_python(again, mode="json")
 
 
@@ -79,7 +101,7 @@ def test_an_item_logged_without_a_render_is_rendered_by_the_build() -> None:
     renders = cache.render_for(est)
     assert len(renders) == 0
     segs = [renders.segment(item, est) for item in items]
-    assert not any("ref" in entry for entry in cache.stored_body(segs, renders))
+    assert not any(map(_is_ref, cache.stored_body(segs, renders)))
 
 
 def test_what_a_checkpoint_covers_leaves_the_memo_and_its_references() -> None:
@@ -142,3 +164,37 @@ def test_a_segment_is_a_value_and_its_json_form_gives_it_back() -> None:
     assert type(again.region) is type(seg.region) and type(again.trust) is type(seg.trust)
     assert SEGMENT.dump_python(seg, mode="json")["region"] == seg.region.value
     assert segment_of(item, "other text", 7) != seg
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=30))
+def test_a_stored_body_reads_back_as_the_segments_it_was_stored_from(log: list[tuple[int, bool, bool, bool]]) -> None:
+    """Any body over any log: each item at a position after a gap or not (positions a read can skip), logged with
+    its segment's fields or not, shown or not, a per-request segment after it or not. Stored (runs of consecutive
+    positions, lone references, whole segments), handed on as the store hands a body to a model call (`_tagged`:
+    a run as a reference per position) and resolved by the memo, it gives back the very segments, in order; and
+    every run covers only positions of the items it shows."""
+    est = estimator()
+    items: list[HistoryItem] = []
+    seq = 0
+    for i, (gap, _, _, _) in enumerate(log):
+        seq += gap
+        items.append(UserMessage(id=f"u{i}", seq=seq, text=f"message {i}"))
+        seq += 1
+    cache = SessionCache(SECRET)
+    for item, (_, referable, _, _) in zip(items, log, strict=True):
+        cache.catch_up(_log([item], referable=referable), -1)
+    renders = cache.render_for(est)
+    shown: list[Segment] = []
+    for i, (item, (_, _, show, extra)) in enumerate(zip(items, log, strict=True)):
+        if show:
+            shown.append(renders.lookup(item) or renders.segment(item, est))
+        if extra:  # a segment no logged item stands for (as the turn's context is)
+            shown.append(renders.segment(UserMessage(id=f"x{i}", seq=10_000 + i, text=f"context {i}"), est))
+    stored = cache.stored_body(shown, renders)
+    refs = cache.referable[renders.counter_key]
+    assert _refers_to(stored, cache) == [s.item_id if refs.get(s.item_id) is s else None for s in shown]
+    assert all(refs.get(item_id) is not None for item_id in _refers_to(stored, cache) if item_id is not None)
+    handed_on = _tagged({"base": None, "keep": 0, "tail": stored, "session": "s", "counter": renders.counter_key})
+    assert cache.resolved("s", handed_on) == [cache.provider_of(s) for s in shown]
+    assert cache.resolved("another", handed_on) is None or not any(map(_is_ref, stored))
