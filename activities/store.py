@@ -1151,8 +1151,9 @@ def _named(refs: list[dict[str, Any]]) -> list[str]:
 
 def _composed(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
     """A request's body, from its chain (`_chain_cte`, nearest first): a whole body (a list, or a link with no
-    base) and each delta on top. A reference left in a link (`{"ref": item id}`) comes with the link's session and
-    counter (`{"ref", "session", "counter"}`): what it names is that session's item, counted by that counter."""
+    base) and each delta on top. A reference left in a link (`{"ref": item id}`, or a run `{"seqs": [first,
+    last]}`, a reference per position) comes with the link's session and counter (`{"ref" or "seq", "session",
+    "counter"}`): what it names is that session's item, counted by that counter."""
     if not rows:
         return None
     links: list[dict[str, Any]] = []
