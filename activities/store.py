@@ -205,30 +205,32 @@ def _chain_cte(sha: str, limit: str) -> str:
 
 
 def _stored_segment(row: str) -> str:
-    """The segment stored with the items row `row`, its count the link's counter's (SQL)."""
-    counted = "(chain.body->>'counter')"
-    return f"{row}.segment || jsonb_build_object('text', {row}.rendered, 'raw_tokens', {row}.tokens -> {counted})"
+    """The segment stored with the items row `row`, its count the link's counter's (`k.counter`, SQL)."""
+    return f"{row}.segment || jsonb_build_object('text', {row}.rendered, 'raw_tokens', {row}.tokens -> k.counter)"
 
 
 # A link of the chain with the items its tail refers to replaced by their segments, made of what was stored with
 # each item when it was logged (its segment's fields, its text, its count by the link's counter): a reference
 # ({"ref": item id}) by one, a run ({"seqs": [first, last]}: the items at those log positions and between) by the
 # run's items in log order, when every position holds an item stored with its segment and that count. A reference
-# or run that does not resolve stays as it is (`_whole` names it).
+# or run that does not resolve stays as it is (`_whole` names it). The link's session, counter and tail are taken
+# once (`k`, kept apart from the rest by `OFFSET 0`): a large body is stored out of line, and each use of
+# `chain.body` in the per-entry expressions would read it whole again (1 s for a body of 10,000 references).
 _EXPANDED_BODY = """CASE WHEN jsonb_typeof(chain.body) = 'object' AND chain.body ? 'session'
 THEN jsonb_set(chain.body, '{tail}', (
     SELECT coalesce(jsonb_agg(x.seg ORDER BY t.o, x.n), '[]'::jsonb)
-    FROM jsonb_array_elements(chain.body->'tail') WITH ORDINALITY AS t(e, o)
-    LEFT JOIN items i ON t.e ? 'ref' AND i.session_id = chain.body->>'session' AND i.item_id = t.e->>'ref'
+    FROM (SELECT chain.body->>'session' AS session, chain.body->>'counter' AS counter, chain.body->'tail' AS tail
+          OFFSET 0) k
+    CROSS JOIN LATERAL jsonb_array_elements(k.tail) WITH ORDINALITY AS t(e, o)
+    LEFT JOIN items i ON t.e ? 'ref' AND i.session_id = k.session AND i.item_id = t.e->>'ref'
     CROSS JOIN LATERAL jsonb_array_elements(CASE
         WHEN t.e ? 'seqs' THEN coalesce((
             SELECT jsonb_agg({r} ORDER BY r.seq) FROM items r
-            WHERE r.session_id = chain.body->>'session'
-              AND r.seq BETWEEN (t.e->'seqs'->>0)::int AND (t.e->'seqs'->>1)::int
+            WHERE r.session_id = k.session AND r.seq BETWEEN (t.e->'seqs'->>0)::int AND (t.e->'seqs'->>1)::int
             HAVING count(*) = (t.e->'seqs'->>1)::int - (t.e->'seqs'->>0)::int + 1
-               AND bool_and(r.segment IS NOT NULL AND r.tokens ? (chain.body->>'counter'))
+               AND bool_and(r.segment IS NOT NULL AND r.tokens ? k.counter)
         ), jsonb_build_array(t.e))
-        WHEN i.segment IS NOT NULL AND i.tokens ? (chain.body->>'counter') THEN jsonb_build_array({i})
+        WHEN i.segment IS NOT NULL AND i.tokens ? k.counter THEN jsonb_build_array({i})
         ELSE jsonb_build_array(t.e) END) WITH ORDINALITY AS x(seg, n)
 )) ELSE chain.body END"""
 EXPANDED_BODY = _EXPANDED_BODY.replace("{r}", _stored_segment("r")).replace("{i}", _stored_segment("i"))
