@@ -74,7 +74,8 @@ def _live_log(after: str) -> str:
 
     Only the unbroken run of blocks from the first one is read as blocks: should a block be missing from the
     middle (the trigger seals every one, but the table is derived state an operator may clear), the items from
-    the gap on are read as rows, never skipped."""
+    the gap on are read as rows, never skipped. The rows are read by two ranges of the index, before the blocks
+    and after them: a read touches the rows outside the blocks, not the session's whole log."""
     return f"""LEFT JOIN LATERAL (
   SELECT r.*, b.payloads AS block_payloads, b.renders AS block_renders, b.counts AS block_counts,
          b.referable AS block_referable, b.pointers AS block_pointers
@@ -95,8 +96,8 @@ def _live_log(after: str) -> str:
            array_agg(i.payload::text ORDER BY i.seq) AS payloads, array_agg(i.rendered ORDER BY i.seq) AS renders,
            json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable,
            json_agg(i.pointer ORDER BY i.seq) AS pointers
-    FROM items i WHERE i.session_id = $1 AND i.seq > {after}
-      AND (b.first_seq IS NULL OR i.seq < b.first_seq OR i.seq > b.last_seq)
+    FROM items i WHERE i.session_id = $1
+      AND (i.seq > {after} AND i.seq < coalesce(b.first_seq, 2147483647) OR i.seq > greatest({after}, b.last_seq))
   ) r
 ) log ON true"""
 

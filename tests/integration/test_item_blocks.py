@@ -4,11 +4,13 @@ from any position; no Temporal (the activities run in an ActivityEnvironment).""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from temporalio.testing import ActivityEnvironment
 
+from activities import store as store_module
 from activities.migrations import MIGRATIONS
 from activities.providers import build_providers
 from activities.rows import LiveLog
@@ -99,6 +101,33 @@ async def test_a_block_missing_from_the_middle_leaves_its_items_read_as_rows_nev
             assert _columns(live) == await _from_rows(store, session_id, after), after
         _, live = await store.load_live_items(session_id)
         assert [i.seq for i in live.items] == list(range(1100))
+
+
+def _item_rows_touched(plan: Any) -> int:
+    """The rows of table `items` an `EXPLAIN (ANALYZE, FORMAT JSON)` plan read: those its scans returned and
+    those their filters removed (PostgreSQL's own counts)."""
+    touched = 0
+    for node in plan.get("Plans", []):
+        touched += _item_rows_touched(node)
+    if plan.get("Relation Name") == "items":
+        loops = plan.get("Actual Loops", 1)
+        touched += round((plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)) * loops)
+    return touched
+
+
+async def test_a_read_through_the_blocks_reads_only_the_item_rows_outside_them(pg_dsn: str) -> None:
+    """A cold read of a long session touches the item rows the blocks do not hold, not the whole log: PostgreSQL's
+    own row counts for the read (EXPLAIN ANALYZE) stay at the rows outside the blocks, from any position."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, _ = await cold_build.seed(store, 1100)
+        assert await _blocks(store, session_id) == [(0, 255), (256, 511), (512, 767), (768, 1023)]
+        for after, outside in ((-1, 76), (100, 155 + 76), (1023, 76), (1050, 49)):
+            (explained,) = await store.pool.fetchrow(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + store_module.SQL_LIVE_ITEMS, session_id, after
+            )
+            plan = json.loads(explained) if isinstance(explained, str) else explained
+            assert _item_rows_touched(plan[0]["Plan"]) == outside, after
 
 
 async def test_workers_that_have_not_seen_the_session_read_it_through_the_blocks_as_the_writer_holds_it(
