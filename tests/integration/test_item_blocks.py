@@ -4,7 +4,6 @@ from any position; no Temporal (the activities run in an ActivityEnvironment).""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -123,10 +122,9 @@ async def test_a_read_through_the_blocks_reads_only_the_item_rows_outside_them(p
         session_id, _ = await cold_build.seed(store, 1100)
         assert await _blocks(store, session_id) == [(0, 255), (256, 511), (512, 767), (768, 1023)]
         for after, outside in ((-1, 76), (100, 155 + 76), (1023, 76), (1050, 49)):
-            (explained,) = await store.pool.fetchrow(
+            (plan,) = await store.pool.fetchrow(  # json: decoded by the store's codec
                 "EXPLAIN (ANALYZE, FORMAT JSON) " + store_module.SQL_LIVE_ITEMS, session_id, after
             )
-            plan = json.loads(explained) if isinstance(explained, str) else explained
             assert _item_rows_touched(plan[0]["Plan"]) == outside, after
 
 
