@@ -84,9 +84,9 @@ class BuildActivities(BuildCalls):
         )
         inputs = ri.model_dump(mode="json")
         body_segments = plan.segments[len(prefix.segments) :]
-        base, keep = cache.delta_base(plan.prefix_sha256, body_segments)
-        # One write: the request's body (a delta of this worker's last one, logged items by reference), its record
-        # and the turn's message.
+        form = cache.body_form(plan.prefix_sha256, body_segments, cache.render_for(estimator))
+        # One write: the request's body (whole or a delta of this worker's last one, logged items by reference),
+        # its record and the turn's message.
         renders = state.render_for_log(message, cache)
         hashes, seqs, record = await store.store_request(
             inp.session_id,
@@ -99,10 +99,10 @@ class BuildActivities(BuildCalls):
             raw_tokens=plan.raw_tokens,
             plan=plan.summary().model_dump(mode="json"),
             inputs=inputs,
-            body=cache.stored_body(body_segments[keep:], cache.render_for(estimator)),
+            body=form.stored.entries,
             counter=counter_key(estimator),
-            base=base,
-            keep=keep,
+            base=form.base,
+            keep=form.keep,
             append=message,
             renders=renders,
         )
@@ -115,7 +115,7 @@ class BuildActivities(BuildCalls):
             )
         state.joined(message, seqs, renders, cache)
         built = BuiltRequest(plan.segments, record, reads.calibration, reads.provider_calibration)
-        cache.remember_request(plan.request_sha256, built, plan.prefix_sha256, body_segments, base)
+        cache.remember_request(plan.request_sha256, built, plan.prefix_sha256, body_segments, form)
         if len(hashes) > 1 and plan.prefix_sha256 != hashes[0].prefix_sha256:
             # A second prefix hash in one epoch: a defect. Name the segment and byte where it changed.
             epoch_prefix, _ = await state.prefix(inp.session_id, inp.epoch, cache)

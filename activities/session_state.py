@@ -53,6 +53,7 @@ _item, _text, _tokens, _referable, _pointer = map(operator.itemgetter, range(5))
 _pointer_text, _pointer_tokens = operator.itemgetter("text"), operator.itemgetter("tokens")  # a stored pointer's
 _id = operator.attrgetter("id")
 _item_id = operator.attrgetter("item_id")  # a segment's
+_second = operator.itemgetter(1)
 _PAIRED = frozenset({ToolCall, ToolResult})  # the item types the open-call pass visits
 
 
@@ -70,6 +71,76 @@ class BuiltRequest(NamedTuple):
     provider_calibration: float | None
 
 
+WHOLE_SLACK = 4  # a body is stored whole unless that takes more than this many entries more than a delta
+
+
+def _reference(first_id: str, first: int, last: int) -> dict[str, Any]:
+    """A stored body's reference to the logged items at positions `first`..`last` (the first one's id given)."""
+    return {"ref": first_id} if first == last else {"seqs": [first, last]}
+
+
+class StoredForm(NamedTuple):
+    """A body as the store keeps it (`SessionCache.stored_form`): its entries; what each refers to (the first
+    item's id and the first and last log positions of a reference or a run, None for a segment stored as its
+    JSON); and how many body segments the entries up to each one stand for."""
+
+    entries: list[dict[str, Any]]
+    spans: list[tuple[str, int, int] | None]
+    ends: list[int]
+
+    def head(self, keep: int) -> StoredForm:
+        """The form of the body's first `keep` segments: a run that goes past them is cut."""
+        n = bisect.bisect_right(self.ends, keep)
+        entries, spans, ends = self.entries[:n], self.spans[:n], self.ends[:n]
+        done = ends[-1] if ends else 0
+        if done < keep:  # the next entry stands for more than one segment: a run
+            span = self.spans[n]
+            assert span is not None
+            cut = (span[0], span[1], span[1] + keep - done - 1)
+            entries.append(_reference(*cut))
+            spans.append(cut)
+            ends.append(keep)
+        return StoredForm(entries, spans, ends)
+
+    def then(self, tail: StoredForm) -> StoredForm:
+        """This form followed by `tail`'s, a run across the junction made one."""
+        if not self.entries:
+            return tail
+        done = self.ends[-1]
+        last, first = self.spans[-1], tail.spans[0] if tail.spans else None
+        if last is not None and first is not None and last[2] + 1 == first[1]:
+            span = (last[0], last[1], first[2])
+            return StoredForm(
+                [*self.entries[:-1], _reference(*span), *tail.entries[1:]],
+                [*self.spans[:-1], span, *tail.spans[1:]],
+                [*self.ends[:-1], *(end + done for end in tail.ends)],
+            )
+        return StoredForm(
+            self.entries + tail.entries, self.spans + tail.spans, self.ends + [end + done for end in tail.ends]
+        )
+
+
+class BodyForm(NamedTuple):
+    """How a request's body is stored (`SessionCache.body_form`): the request it extends (None: whole), how many
+    of that one's body segments it keeps, the entries stored, and the body's whole form."""
+
+    base: str | None
+    keep: int
+    stored: StoredForm
+    whole: StoredForm
+
+
+class LastBody(NamedTuple):
+    """The last request stored from this worker, which the next one may extend: its hash, its prefix's, its body
+    segments, how many deltas it is from a whole body and its body's whole form."""
+
+    sha: str
+    prefix_sha: str
+    segments: list[Segment]
+    depth: int
+    whole: StoredForm
+
+
 class SessionCache:
     """Per-session, per-worker memo of immutable things: the log so far, prefixes, rendered items."""
 
@@ -85,7 +156,7 @@ class SessionCache:
         self.seg_json: dict[int, tuple[Segment, dict[str, Any]]] = {}
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, BuiltRequest] = OrderedDict()
-        self.last_body: tuple[str, str, list[Segment], int] | None = None
+        self.last_body: LastBody | None = None
         # Each logged item's render stored at write time, by item id.
         self.stored: dict[str, StoredRender] = {}
         # Per counter key, by item id: the segment its render memo took from the item's stored render, when the
@@ -121,11 +192,19 @@ class SessionCache:
                 self.seg_provider[id(seg)] = hit
         return hit[1]
 
+    def providers_of(self, segs: list[Segment]) -> list[ProviderSegment]:
+        """`provider_of` each of `segs`, in C-level passes over the memoised ones (an entry keeps its segment alive,
+        so no other object has its `id`): only the others are converted one by one."""
+        hits: list[tuple[Segment, ProviderSegment] | None] = list(map(self.seg_provider.get, map(id, segs)))
+        for at in compress(range(len(hits)), map(operator.not_, hits)):
+            hits[at] = (segs[at], self.provider_of(segs[at]))
+        return list(map(_second, cast(list[tuple[Segment, ProviderSegment]], hits)))
+
     def provider_segments(self, segments: list[Segment]) -> list[ProviderSegment]:
         """`segments` in the provider port's form; the head they share with the last request's is reused."""
         last, converted = self.last_provider
         keep = shared_head(segments, last)
-        out = converted[:keep] + [self.provider_of(s) for s in segments[keep:]]
+        out = converted[:keep] + self.providers_of(segments[keep:])
         self.last_provider = (segments, out)
         return out
 
@@ -170,13 +249,15 @@ class SessionCache:
         return out
 
     def remember_request(
-        self, sha: str, built: BuiltRequest, prefix_sha: str, body: list[Segment], base: str | None
+        self, sha: str, built: BuiltRequest, prefix_sha: str, body: list[Segment], form: BodyForm
     ) -> None:
+        """A request this worker built and stored (as `form`): its model call, when it runs here, reads nothing, and
+        the next request built here may be stored as a delta of it."""
         self.built[sha] = built
         while len(self.built) > 2:
             self.built.popitem(last=False)
-        depth = self.last_body[3] + 1 if base and self.last_body is not None else 0
-        self.last_body = (sha, prefix_sha, body, depth)
+        depth = self.last_body.depth + 1 if form.base and self.last_body is not None else 0
+        self.last_body = LastBody(sha, prefix_sha, body, depth, form.whole)
 
     def answered(self, sha: str) -> None:
         """The call of request `sha` has stored its outcome: its memoised record says unanswered no more, so a later
@@ -185,16 +266,24 @@ class SessionCache:
         if built is not None and built.record is not None:
             self.built[sha] = built._replace(record=None)
 
-    def delta_base(self, prefix_sha: str, body: list[Segment]) -> tuple[str | None, int]:
-        """The previous request stored from this worker, and how many leading body segments it shares with
-        `body` (by identity): the new request is stored as that base plus the rest."""
-        if self.last_body is None:
-            return None, 0
-        sha, last_prefix, last, depth = self.last_body
-        if last_prefix != prefix_sha or depth >= MAX_DELTA_CHAIN:
-            return None, 0
-        keep = shared_head(body, last)
-        return (sha, keep) if keep else (None, 0)
+    def body_form(self, prefix_sha: str, body: list[Segment], renders: RenderCache) -> BodyForm:
+        """How `body` is stored (`stored_form`): whole, or as a delta of the previous request stored from this
+        worker (the leading body segments they share, by identity, and the rest) when the whole form would hold
+        more than `WHOLE_SLACK` entries more than the rest alone (segments stored as JSON: pointers under
+        pressure, items logged without their segment). A body that shows the log as a few runs of positions is
+        stored whole: as small, and a worker that did not build it reads one row, not a chain of deltas.
+
+        The whole form is the previous one's cut where they part, then the rest: the work is what the body
+        added, not its length."""
+        last = self.last_body
+        keep = shared_head(body, last.segments) if last is not None and last.prefix_sha == prefix_sha else 0
+        tail = self.stored_form(body[keep:], renders)
+        if not keep or last is None:
+            return BodyForm(None, 0, tail, tail)
+        whole = last.whole.head(keep).then(tail)
+        if last.depth < MAX_DELTA_CHAIN and len(whole.entries) > len(tail.entries) + WHOLE_SLACK:
+            return BodyForm(last.sha, keep, tail, whole)
+        return BodyForm(None, 0, whole, whole)
 
     def render_for(self, estimator: TokenEstimator) -> RenderCache:
         """The session's render memo for `estimator`'s counter."""
@@ -261,6 +350,10 @@ class SessionCache:
             self._take(stored, cache, self.referable.setdefault(key, {}))
 
     def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
+        """`segments` as a request body stores them (`stored_form`'s entries)."""
+        return self.stored_form(segments, renders).entries
+
+    def stored_form(self, segments: list[Segment], renders: RenderCache) -> StoredForm:
         """`segments` as a request body stores them. A segment that is a logged item's stored render (the very
         segment `renders` took from it, with the stored text and count), whose fields the store keeps with the
         item, is stored as a reference to the item: a run of them at consecutive log positions as one entry,
@@ -275,56 +368,68 @@ class SessionCache:
         ids = list(map(_item_id, segments))
         referred = map(operator.is_, map(refs.get, ids), segments)
         by_id = self.by_id
-        out: list[dict[str, Any]] = []
+        form = StoredForm([], [], [])
+        entries, spans, ends = form
         run: list[Any] = []  # the open run: its first item's id, its first and last log positions
+        count = 0  # the segments before the one visited
 
         def close_run() -> None:
             if run:
-                out.append({"ref": run[0]} if run[1] == run[2] else {"seqs": run[1:]})
+                entries.append(_reference(*run))
+                spans.append((run[0], run[1], run[2]))
+                ends.append(count)
                 run.clear()
 
         for item_id, is_ref, seg in zip(ids, referred, segments, strict=True):
             if not is_ref:
                 close_run()
-                out.append(self.json_of(seg))
-                continue
-            seq = by_id[item_id].seq
-            if run and seq == run[2] + 1:
-                run[2] = seq
+                entries.append(self.json_of(seg))
+                spans.append(None)
+                ends.append(count + 1)
             else:
-                close_run()
-                run.extend((item_id, seq, seq))
+                seq = by_id[item_id].seq
+                if run and seq == run[2] + 1:
+                    run[2] = seq
+                else:
+                    close_run()
+                    run.extend((item_id, seq, seq))
+            count += 1
         close_run()
-        return out
+        return form
 
     def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
         """A stored request body of this session (`StoredRequest`, references left in) in the provider port's
         form, each reference the segment this memo took from the item's stored render: the one the body was
         stored with, which the store would expand it to (`EXPANDED_BODY`). A reference names its item by id
-        (`{"ref", "session", "counter"}`) or, for a run's item, by log position (`{"seq", "session", "counter"}`).
-        None when a reference names an item the memo does not hold (another session's, or one a checkpoint
-        pruned)."""
+        (`{"ref", "session", "counter"}`) or a run of items by their first and last log positions (`{"seqs",
+        "session", "counter"}`: the memo's items at those positions, taken in C-level passes). None when a
+        reference names an item the memo does not hold (another session's, or one a checkpoint pruned)."""
         out: list[ProviderSegment] = []
-        at: dict[int, str] | None = None  # the memo's items' ids by log position, made at the first position
         for entry in body:
-            if "ref" not in entry and "seq" not in entry:
+            if "ref" not in entry and "seqs" not in entry:
                 out.append(provider_segment(entry))
                 continue
             if entry["session"] != session_id:
                 return None
-            item_id = entry.get("ref")
-            if item_id is None:
-                if at is None:
-                    at = dict(zip(map(_seq, self.items), map(_id, self.items), strict=True))
-                item_id = at.get(entry["seq"])
-                if item_id is None:
-                    return None
             key = entry["counter"]
             self.render_memo(key)  # made (taking the stored renders) when this worker has not counted with it
-            seg = self.referable[key].get(item_id)
-            if seg is None:
+            refs = self.referable[key]
+            if "ref" in entry:
+                seg = refs.get(entry["ref"])
+                if seg is None:
+                    return None
+                out.append(self.provider_of(seg))
+                continue
+            first, last = entry["seqs"]
+            at = bisect.bisect_left(self.items, first, key=_seq)
+            items = self.items[at : at + last - first + 1]
+            # The memo's items are in log order, one per position: the run's count, first and last make them all.
+            if len(items) != last - first + 1 or items[0].seq != first or items[-1].seq != last:
                 return None
-            out.append(self.provider_of(seg))
+            segs = list(map(refs.get, map(_id, items)))
+            if not all(segs):  # a missing one (a segment is always true: no `==` per segment, as `in` makes)
+                return None
+            out += self.providers_of(cast(list[Segment], segs))
         return out
 
     def write_counter_encoding(self) -> str:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
@@ -1128,25 +1130,27 @@ def _whole(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
     request = _composed(sha, rows)
     if request is None:
         return None
-    unresolved = [seg for seg in request.body if "ref" in seg or "seq" in seg]
+    unresolved = [seg for seg in request.body if "ref" in seg or "seqs" in seg]
     if unresolved:
         raise LookupError(f"request {sha} refers to items not logged with their segment: {_named(unresolved)[:5]}")
     return request
 
 
 def _named(refs: list[dict[str, Any]]) -> list[str]:
-    """References to logged items, named: an item by its id, a run of log positions as `#first-last`."""
+    """References to logged items, named: an item by its id, a run of log positions as `#first-last` (runs that
+    follow one another as one)."""
     names: list[str] = []
     run: list[int] = []  # the open run's first and last positions
     for ref in [*refs, {}]:
-        if "seq" in ref and run and ref["seq"] == run[1] + 1:
-            run[1] = ref["seq"]
+        seqs = ref.get("seqs")
+        if seqs and run and seqs[0] == run[1] + 1:
+            run[1] = seqs[1]
             continue
         if run:
             names.append(f"#{run[0]}" if run[0] == run[1] else f"#{run[0]}-{run[1]}")
             run = []
-        if "seq" in ref:
-            run = [ref["seq"], ref["seq"]]
+        if seqs:
+            run = [seqs[0], seqs[1]]
         elif "ref" in ref:
             names.append(ref["ref"])
     return names
@@ -1155,8 +1159,8 @@ def _named(refs: list[dict[str, Any]]) -> list[str]:
 def _composed(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | None:
     """A request's body, from its chain (`_chain_cte`, nearest first): a whole body (a list, or a link with no
     base) and each delta on top. A reference left in a link (`{"ref": item id}`, or a run `{"seqs": [first,
-    last]}`, a reference per position) comes with the link's session and counter (`{"ref" or "seq", "session",
-    "counter"}`): what it names is that session's item, counted by that counter."""
+    last]}`, standing for the items at those positions) comes with the link's session and counter (`{"ref" or
+    "seqs", "session", "counter"}`): what it names is that session's item, counted by that counter."""
     if not rows:
         return None
     links: list[dict[str, Any]] = []
@@ -1172,27 +1176,38 @@ def _composed(sha: str, rows: Sequence[Mapping[str, Any]]) -> StoredRequest | No
     if body is None:
         raise LookupError(f"request {sha} refers to a missing base {links[-1]['base']}")
     for link in reversed(links):
-        body = body[: link["keep"]] + _tagged(link)
+        body = _head(body, link["keep"]) + _tagged(link)
     return StoredRequest(prefix_sha256=rows[0]["prefix_sha256"], body=body)
 
 
+def _head(body: list[dict[str, Any]], keep: int) -> list[dict[str, Any]]:
+    """A body's first `keep` segments, a run (`{"seqs": [first, last], ...}`) counting as the segments it stands
+    for, cut where `keep` ends inside it."""
+    if True not in map(operator.contains, body, repeat("seqs")):
+        return body[:keep]
+    out: list[dict[str, Any]] = []
+    done = 0
+    for entry in body:
+        if done >= keep:
+            break
+        seqs = entry.get("seqs")
+        size = seqs[1] - seqs[0] + 1 if seqs else 1
+        if done + size > keep:
+            assert seqs is not None  # only a run stands for more than one segment
+            entry = {**entry, "seqs": [seqs[0], seqs[0] + keep - done - 1]}
+            size = keep - done
+        out.append(entry)
+        done += size
+    return out
+
+
 def _tagged(link: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A link's tail, each reference in it with the link's session and counter, a run (`{"seqs": [first, last]}`)
-    as a reference per log position in it (`{"seq": position}`): a body's `keep` counts segments."""
+    """A link's tail, each reference and run in it with the link's session and counter."""
     tail: list[dict[str, Any]] = link["tail"]
     if "session" not in link:  # stored before references were: whole segments only
         return tail
     where = {"session": link["session"], "counter": link["counter"]}
-    out: list[dict[str, Any]] = []
-    for seg in tail:
-        if "ref" in seg:
-            out.append({**seg, **where})
-        elif "seqs" in seg:
-            first, last = seg["seqs"]
-            out += [{"seq": seq, **where} for seq in range(first, last + 1)]
-        else:
-            out.append(seg)
-    return out
+    return [{**seg, **where} if "ref" in seg or "seqs" in seg else seg for seg in tail]
 
 
 def _claim(row: Mapping[str, Any], *, owned: bool) -> SessionClaim:

@@ -8,11 +8,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
+from temporalio.testing import ActivityEnvironment
 
+from activities.providers import build_providers
+from activities.session import SessionActivities
 from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from contract import names
-from contract.payloads import ActivityTimeouts, SessionOpen, TurnInput, TurnResult
+from contract.payloads import ActivityTimeouts, OpenInput, SessionOpen, TurnInput, TurnResult
+from harness.bench import cold_build
 from harness.sessions import SCRIPTED
 from worker import running_worker
 
@@ -54,3 +58,44 @@ async def turn(handle: WorkflowHandle[Any, Any], text: str, update_id: str | Non
         names.UPDATE_SUBMIT_TURN, TurnInput(text=text), id=update_id, result_type=TurnResult
     )
     return result
+
+
+async def pages_session(store: Store, session_id: str) -> None:
+    """A session over its window: 12 turns, each fetching a long untrusted page (tool results a build under
+    pressure shows as pointers)."""
+    seeder = SessionActivities(store, build_providers())
+    small = cold_build.session_open().model_copy(update={"budget": {"context_window": 6_000, "output_reserve": 500}})
+    await ActivityEnvironment().run(
+        seeder.lifecycle.open_session, OpenInput(session_id=session_id, open=small, owner="run-pointers")
+    )
+    _, _, cache = await seeder.state.session(session_id)
+    for turn in range(1, 13):
+        call_id = f"call_t{turn}_m0_0"
+        page = f"page {turn}: " + "the shard migration log reads all clear; " * 40
+        await seeder.state.append(
+            session_id,
+            turn,
+            [
+                {"id": f"u:{turn}", "kind": "user_message", "trust": "USER", "text": f"fetch page {turn}"},
+                {
+                    "id": f"t{turn}.m0.call0",
+                    "kind": "tool_call",
+                    "trust": "MODEL",
+                    "call_id": call_id,
+                    "tool_name": "web.fetch",
+                    "arguments": {"url": f"fixture://page/{turn}"},
+                },
+                {
+                    "id": f"t{turn}.m0.call0.result",
+                    "kind": "tool_result",
+                    "trust": "EXTERNAL_UNTRUSTED",
+                    "call_id": call_id,
+                    "tool_name": "web.fetch",
+                    "content": page,
+                    "is_error": False,
+                    "artifact_ref": None,
+                },
+                {"id": f"t{turn}.m1.text", "kind": "assistant_message", "trust": "MODEL", "text": "noted"},
+            ],
+            cache,
+        )

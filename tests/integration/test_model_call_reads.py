@@ -13,10 +13,13 @@ from temporalio.testing import ActivityEnvironment
 from activities.provider import ModelProvider, ProviderReply, ProviderRequest, ProviderSegment
 from activities.providers import build_providers
 from activities.session import SessionActivities
+from activities.session_state import WHOLE_SLACK
 from activities.store import SQL_STORE_REQUEST, SQL_TURN_READS, Store
 from contract.payloads import BuildInput, ModelInput
+from core.plan import SEGMENT
 from harness.bench import cold_build
 from harness.bench.measure import CountingPool, DbCounts
+from tests.integration.session_helpers import pages_session
 
 pytestmark = pytest.mark.integration
 
@@ -158,10 +161,10 @@ async def test_another_worker_sends_the_built_request_taking_the_items_it_refers
             memo = builder.state.cached(session_id)
             assert memo is not None
             # The body as stored refers to the logged items (or the test would not test the references): as the
-            # read hands it on, a run of them is a reference per log position.
+            # read hands it on, a run of them stays one entry, its first and last log positions.
             chain = await store.call_reads(session_id, turn, 0, after_seq=memo.max_seq, epoch=1, request=sha)
             assert chain is not None and chain.request is not None
-            assert sum("seq" in seg for seg in chain.request.body) >= 40
+            assert sum(e["seqs"][1] - e["seqs"][0] + 1 for e in chain.request.body if "seqs" in e) >= 40
             expected = [memo.provider_of(s) for s in memo.built[sha].segments]
             return ModelInput(session_id=session_id, turn=turn, call_index=0, epoch=1, request_sha256=sha), expected
 
@@ -211,3 +214,45 @@ async def test_a_cold_worker_plans_its_reads_once(pg_dsn: str) -> None:
             }
     assert plans[SQL_TURN_READS][0] >= 4 and plans[SQL_STORE_REQUEST][0] >= 4
     assert all(custom == 0 for _, custom in plans.values()), plans
+
+
+async def test_a_body_under_pressure_is_stored_as_a_delta_and_another_worker_sends_it_as_built(pg_dsn: str) -> None:
+    """A body that shows pointers (segments stored as JSON) is stored as a delta of the previous request built on
+    the same worker, which it extends; read back it is the body built, and a model call on a worker that did not
+    build it (the store composes the chain, cutting the base's runs where the delta keeps less of them; the memo
+    resolves the references and runs) sends the segments the building worker would have sent, in order. A body
+    that shows the log as a run is stored whole, a row a worker that did not build it reads alone."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id = "pointers-delta"
+        await pages_session(store, session_id)
+        providers = build_providers()
+        model = providers["scripted"] = CapturingModel(providers["scripted"])
+        builder = SessionActivities(store, providers)
+
+        async def build(turn: int) -> str:
+            built = await ActivityEnvironment().run(
+                builder.build.build_context,
+                BuildInput(session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text="more?"),
+            )
+            return built.plan.request_sha256
+
+        first, sha = await build(13), await build(14)
+        raw = await store.pool.fetchval("SELECT body FROM rendered_requests WHERE sha256 = $1", sha)
+        memo = builder.state.cached(session_id)
+        assert memo is not None
+        segments = memo.built[sha].segments
+        assert raw["base"] == first and raw["keep"] > WHOLE_SLACK
+        assert sum(s.kind == "elided_span" for s in segments) > WHOLE_SLACK  # the pointers the delta does not copy
+        whole = await store.get_request(sha)
+        prefix, _ = memo.prefixes[1]
+        assert whole is not None and whole.body == [
+            SEGMENT.dump_python(s, mode="json") for s in segments[len(prefix.segments) :]
+        ]
+
+        other = SessionActivities(store, providers)  # a worker that did not build the request
+        await _env(1).run(
+            other.model_call.call_model,
+            ModelInput(session_id=session_id, turn=14, call_index=0, epoch=1, request_sha256=sha),
+        )
+        assert model.sent == [[memo.provider_of(s) for s in segments]]

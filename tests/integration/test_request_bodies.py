@@ -15,9 +15,10 @@ from activities.rebuild import rebuild_session
 from activities.session import SessionActivities
 from activities.store import Store
 from activities.tokens import TiktokenCounter
-from contract.payloads import BuildInput, OpenInput
+from contract.payloads import BuildInput
 from core.plan import SEGMENT
 from harness.bench import cold_build
+from tests.integration.session_helpers import pages_session
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,8 @@ async def test_a_build_stores_logged_items_by_reference_and_reads_them_back_whol
     """A worker that has not seen the session stores each logged item of the body as a reference to the segment
     stored with it (not the legacy item logged without one, not the turn's message, not the per-request
     segments); read back, the body equals what the worker built, field by field, untrusted and tainted items
-    included; the next build on the same worker stores a delta, read back whole too."""
+    included. The next build on the same worker is stored whole too: what it shares with the first is a run and
+    one segment stored as JSON, so a delta would save no more than `WHOLE_SLACK` entries."""
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, last = await cold_build.seed(store, 40)
@@ -103,7 +105,7 @@ async def test_a_build_stores_logged_items_by_reference_and_reads_them_back_whol
 
         warm_sha, warm_built = await _build(cold, session_id, turn + 3, "and now?")
         warm_raw = await _raw_body(store, warm_sha)
-        assert warm_raw["base"] == sha and warm_raw["keep"] > 0
+        assert warm_raw["base"] is None and [e for e in warm_raw["tail"] if "seqs" in e] == [{"seqs": [0, 43]}]
         warm = await store.get_request(warm_sha)
         assert warm is not None and warm.body == warm_built
 
@@ -142,44 +144,7 @@ async def test_a_cold_build_under_pressure_reads_its_pointers(pg_dsn: str) -> No
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id = "pointers-cold"
-        seeder = SessionActivities(store, build_providers())
-        small = cold_build.session_open().model_copy(
-            update={"budget": {"context_window": 6_000, "output_reserve": 500}}
-        )
-        await ActivityEnvironment().run(
-            seeder.lifecycle.open_session, OpenInput(session_id=session_id, open=small, owner="run-pointers")
-        )
-        _, _, cache = await seeder.state.session(session_id)
-        for turn in range(1, 13):
-            call_id = f"call_t{turn}_m0_0"
-            page = f"page {turn}: " + "the shard migration log reads all clear; " * 40
-            await seeder.state.append(
-                session_id,
-                turn,
-                [
-                    {"id": f"u:{turn}", "kind": "user_message", "trust": "USER", "text": f"fetch page {turn}"},
-                    {
-                        "id": f"t{turn}.m0.call0",
-                        "kind": "tool_call",
-                        "trust": "MODEL",
-                        "call_id": call_id,
-                        "tool_name": "web.fetch",
-                        "arguments": {"url": f"fixture://page/{turn}"},
-                    },
-                    {
-                        "id": f"t{turn}.m0.call0.result",
-                        "kind": "tool_result",
-                        "trust": "EXTERNAL_UNTRUSTED",
-                        "call_id": call_id,
-                        "tool_name": "web.fetch",
-                        "content": page,
-                        "is_error": False,
-                        "artifact_ref": None,
-                    },
-                    {"id": f"t{turn}.m1.text", "kind": "assistant_message", "trust": "MODEL", "text": "noted"},
-                ],
-                cache,
-            )
+        await pages_session(store, session_id)
         cold = SessionActivities(store, build_providers())
         result = await ActivityEnvironment().run(
             cold.build.build_context,

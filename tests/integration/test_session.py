@@ -31,11 +31,13 @@ async def test_plain_turns_keep_one_prefix(temporal_client: Client, pg_dsn: str,
         assert all(r.actual_input_tokens and r.actual_input_tokens <= r.estimated_tokens for r in records)
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.turns == 3 and state.metrics.prefix_hash_violations == 0
-        # Later requests are stored as what they added to the previous one; read back, they are whole.
+        # A later request whose history is one run of log positions is stored whole (a delta of the previous one
+        # would save no entry): one reference for the four logged items; read back, it is the request sent.
         raw = await store.pool.fetchval(
             "SELECT body FROM rendered_requests WHERE sha256 = $1", results[2].plan.request_sha256
         )
-        assert isinstance(raw, dict) and raw["keep"] > 0
+        assert isinstance(raw, dict) and raw["base"] is None
+        assert [e for e in raw["tail"] if "seqs" in e or "ref" in e] == [{"seqs": [0, 3]}]
         whole = await store.get_request(results[2].plan.request_sha256)
         prefix = await store.get_prefix(handle.id, 1)
         assert len(whole.body) == results[2].plan.segments - len(prefix.prefix["segments"])

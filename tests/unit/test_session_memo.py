@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from activities.rows import LiveLog
 from activities.session_state import SessionCache
-from activities.store import _tagged
+from activities.store import _composed, _tagged
 from core.budget import ContextBudget
 from core.build import build, segment_of, segments_of
 from core.item_rendering import render_item
@@ -166,14 +166,9 @@ def test_a_segment_is_a_value_and_its_json_form_gives_it_back() -> None:
     assert segment_of(item, "other text", 7) != seg
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=30))
-def test_a_stored_body_reads_back_as_the_segments_it_was_stored_from(log: list[tuple[int, bool, bool, bool]]) -> None:
-    """Any body over any log: each item at a position after a gap or not (positions a read can skip), logged with
-    its segment's fields or not, shown or not, a per-request segment after it or not. Stored (runs of consecutive
-    positions, lone references, whole segments), handed on as the store hands a body to a model call (`_tagged`:
-    a run as a reference per position) and resolved by the memo, it gives back the very segments, in order; and
-    every run covers only positions of the items it shows."""
+def _shown(log: list[tuple[int, bool, bool, bool]]) -> tuple[SessionCache, Any, list[Segment]]:
+    """A memo of a log drawn by hypothesis (each item at a position after a gap or not, logged with its segment's
+    fields or not, shown or not, a per-request segment after it or not) and the body segments it shows."""
     est = estimator()
     items: list[HistoryItem] = []
     seq = 0
@@ -191,6 +186,61 @@ def test_a_stored_body_reads_back_as_the_segments_it_was_stored_from(log: list[t
             shown.append(renders.lookup(item) or renders.segment(item, est))
         if extra:  # a segment no logged item stands for (as the turn's context is)
             shown.append(renders.segment(UserMessage(id=f"x{i}", seq=10_000 + i, text=f"context {i}"), est))
+    return cache, renders, shown
+
+
+_LOG = st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=30)
+
+
+# Logs with runs: items mostly at consecutive positions, mostly logged with their segment's fields and shown.
+_LOG_WITH_RUNS = st.lists(
+    st.tuples(
+        st.sampled_from((0, 0, 0, 1)),
+        st.sampled_from((True, True, True, False)),
+        st.sampled_from((True, True, True, False)),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_LOG_WITH_RUNS, st.integers(0, 40), st.lists(st.integers(0, 40), max_size=4))
+@example(log=[(0, True, True, False)] * 6, cut=3, after=[])
+def test_a_body_stored_as_a_delta_reads_back_as_its_segments(
+    log: list[tuple[int, bool, bool, bool]], cut: int, after: list[int]
+) -> None:
+    """Any body, cut anywhere (inside a run or not): the whole form of its head followed by the form of the rest
+    is its whole form (`StoredForm.head`, `.then`), and stored as a delta of an earlier body it shares that head
+    with (`after`: what followed the head there), the store's composition (`_composed`: the base's entries cut at
+    `keep`, a run cut inside) resolved by the memo gives back the very segments, in order."""
+    cache, renders, shown = _shown(log)
+    keep = min(cut, len(shown))
+    whole = cache.stored_form(shown, renders)
+    tail = cache.stored_form(shown[keep:], renders)
+    assert whole.head(keep).then(tail) == whole
+    assert whole.ends[-1:] == ([len(shown)] if shown else [])
+    earlier = cache.stored_form(shown[:keep] + [shown[i % len(shown)] for i in after if shown], renders)
+    where = {"session": "s", "counter": renders.counter_key}
+    chain = [  # nearest first, as the store reads a chain
+        {"prefix_sha256": "p", "body": {"base": "b", "keep": keep, "tail": tail.entries, **where}},
+        {"prefix_sha256": "p", "body": {"base": None, "keep": 0, "tail": earlier.entries, **where}},
+    ]
+    composed = _composed("r", chain)
+    assert composed is not None
+    assert cache.resolved("s", composed.body) == [cache.provider_of(s) for s in shown]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_LOG)
+def test_a_stored_body_reads_back_as_the_segments_it_was_stored_from(log: list[tuple[int, bool, bool, bool]]) -> None:
+    """Any body over any log: each item at a position after a gap or not (positions a read can skip), logged with
+    its segment's fields or not, shown or not, a per-request segment after it or not. Stored (runs of consecutive
+    positions, lone references, whole segments), handed on as the store hands a body to a model call (`_tagged`:
+    a run as a reference per position) and resolved by the memo, it gives back the very segments, in order; and
+    every run covers only positions of the items it shows."""
+    cache, renders, shown = _shown(log)
     stored = cache.stored_body(shown, renders)
     refs = cache.referable[renders.counter_key]
     assert _refers_to(stored, cache) == [s.item_id if refs.get(s.item_id) is s else None for s in shown]
