@@ -238,7 +238,7 @@ def test_a_stored_body_reads_back_as_the_segments_it_was_stored_from(log: list[t
     """Any body over any log: each item at a position after a gap or not (positions a read can skip), logged with
     its segment's fields or not, shown or not, a per-request segment after it or not. Stored (runs of consecutive
     positions, lone references, whole segments), handed on as the store hands a body to a model call (`_tagged`:
-    a run as a reference per position) and resolved by the memo, it gives back the very segments, in order; and
+    a run stays one entry) and resolved by the memo, it gives back the very segments, in order; and
     every run covers only positions of the items it shows."""
     cache, renders, shown = _shown(log)
     stored = cache.stored_body(shown, renders)
