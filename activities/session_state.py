@@ -160,7 +160,7 @@ class SessionCache:
         # Each logged item's render stored at write time, by item id.
         self.stored: dict[str, StoredRender] = {}
         # Per counter key, by item id: the segment its render memo took from the item's stored render, when the
-        # store kept that segment's other fields too. A request body refers to exactly these (`stored_body`).
+        # store kept that segment's other fields too. A request body refers to exactly these (`stored_form`).
         self.referable: dict[str, dict[str, Segment]] = {}
         # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
         self.by_id: dict[str, HistoryItem] = {}
@@ -348,10 +348,6 @@ class SessionCache:
         self.stored.update(zip(map(_id, map(_item, stored)), stored, strict=True))
         for key, cache in self.renders.items():
             self._take(stored, cache, self.referable.setdefault(key, {}))
-
-    def stored_body(self, segments: list[Segment], renders: RenderCache) -> list[dict[str, Any]]:
-        """`segments` as a request body stores them (`stored_form`'s entries)."""
-        return self.stored_form(segments, renders).entries
 
     def stored_form(self, segments: list[Segment], renders: RenderCache) -> StoredForm:
         """`segments` as a request body stores them. A segment that is a logged item's stored render (the very

@@ -64,7 +64,7 @@ def test_a_cold_memo_takes_the_stored_renders_and_refers_to_them() -> None:
     fresh = build(prefix(), inputs, budget=ContextBudget(), estimator=est, secret=SECRET)
     assert plan.segments == fresh.segments and plan.request_sha256 == fresh.request_sha256
     body_segments = plan.segments[len(prefix().segments) :]
-    stored = cache.stored_body(body_segments, renders)
+    stored = cache.stored_form(body_segments, renders).entries
     logged = {item.id for item in inputs.history}
     assert _refers_to(stored, cache) == [seg.item_id if seg.item_id in logged else None for seg in body_segments]
     assert [entry for entry in stored if _is_ref(entry)] == [{"seqs": [0, len(inputs.history) - 1]}]  # one run
@@ -86,7 +86,7 @@ def test_only_the_segment_taken_from_a_referable_render_is_referred_to() -> None
     assert all(seg is not None for seg in taken)
     again = segment_of(items[-1], render_item(items[-1], SECRET), taken[-1].raw_tokens)  # type: ignore[union-attr]
     assert again == taken[-1]
-    stored = cache.stored_body([*taken, again], renders)  # type: ignore[list-item]
+    stored = cache.stored_form([*taken, again], renders).entries  # type: ignore[list-item]
     assert _refers_to(stored, cache) == [None, None] + [item.id for item in items[2:]] + [None]
     assert stored[-1] == SEGMENT.dump_python(again, mode="json")
 
@@ -101,7 +101,7 @@ def test_an_item_logged_without_a_render_is_rendered_by_the_build() -> None:
     renders = cache.render_for(est)
     assert len(renders) == 0
     segs = [renders.segment(item, est) for item in items]
-    assert not any(map(_is_ref, cache.stored_body(segs, renders)))
+    assert not any(map(_is_ref, cache.stored_form(segs, renders).entries))
 
 
 def test_what_a_checkpoint_covers_leaves_the_memo_and_its_references() -> None:
@@ -241,7 +241,7 @@ def test_a_stored_body_reads_back_as_the_segments_it_was_stored_from(log: list[t
     a run stays one entry) and resolved by the memo, it gives back the very segments, in order; and
     every run covers only positions of the items it shows."""
     cache, renders, shown = _shown(log)
-    stored = cache.stored_body(shown, renders)
+    stored = cache.stored_form(shown, renders).entries
     refs = cache.referable[renders.counter_key]
     assert _refers_to(stored, cache) == [s.item_id if refs.get(s.item_id) is s else None for s in shown]
     assert all(refs.get(item_id) is not None for item_id in _refers_to(stored, cache) if item_id is not None)
