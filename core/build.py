@@ -234,12 +234,13 @@ class RenderCache:
         memo = self._pointers.get(result.id)
         if memo is not None and memo[0] is result:
             return memo[1]
-        pointer = pointer_for(result, raw_tokens)
         stored = self._stored_pointers.get(result.id)
         if stored is not None and stored[0] == raw_tokens:
-            seg = self.adopt(pointer, stored[1], stored[2])
+            seg = pointer_segment_of(result, stored[1], stored[2])  # read, as a cold worker does: no item made
         else:
-            seg = self.segment(pointer, estimator)
+            text = render_item(pointer_for(result, raw_tokens), self.secret)
+            seg = pointer_segment_of(result, text, estimator.count(text))
+        # Memoised by the result's id alone, so `forget` drops it with the result.
         self._pointers[result.id] = (result, seg)
         return seg
 
@@ -484,6 +485,7 @@ _id_field, _kind_field, _trust_field, _tainted_field = map(operator.itemgetter, 
 _HASH_CHECKPOINT_EVERY = 64
 _POINTER = "elided_span"
 POINTER_BATCH = 8
+POINTER_SUFFIX = "#pointer"  # a typed pointer's id is the tool result's with this after it
 
 
 def build(
@@ -771,10 +773,30 @@ def _active_pointer_candidates(
     return out
 
 
+def pointer_segment_of(result: ToolResult, text: str, raw_tokens: int) -> Segment:
+    """The segment of `pointer_for(result, ...)`, rendered as `text` and counted as `raw_tokens`, without making the
+    pointer item (a cold worker's build of a session under pressure makes hundreds): `segment_of` of the pointer,
+    field for field (`tests/unit/test_yields.py` compares them). The pointer's id, kind, trust and call id are the
+    result's; it shows none of the content, so it never taints the view (`ElidedSpan.taints_view`)."""
+    region, budget_class, role, _, _ = _TYPE_FIELDS[ElidedSpan]
+    return Segment(
+        f"{result.id}{POINTER_SUFFIX}",
+        _POINTER,
+        region,
+        budget_class,
+        role,
+        result.trust,
+        text,
+        raw_tokens,
+        result.call_id,
+        False,
+    )
+
+
 def pointer_for(result: ToolResult, raw_tokens: int) -> ElidedSpan:
     """The typed pointer that stands for `result` (counted `raw_tokens`) when the build turns it into one."""
     return ElidedSpan(
-        id=f"{result.id}#pointer",
+        id=f"{result.id}{POINTER_SUFFIX}",
         trust=result.trust,
         seq=result.seq,
         original_id=result.id,

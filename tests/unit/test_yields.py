@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from core.budget import ContextBudget
-from core.build import BodyInputs, build
+from core.build import BodyInputs, RenderCache, build, pointer_for, pointer_segment_of, segment_of
 from core.errors import NonYieldableOverflowError
-from core.items import CorrectionLine, CurrentUserMessage, RecallItem, TrustLevel, WorkingStateBlock
+from core.item_rendering import render_item
+from core.items import CorrectionLine, CurrentUserMessage, RecallItem, ToolResult, TrustLevel, WorkingStateBlock
 from core.plan import PlanStatus, YieldStep
 from tests.unit import factories as f
 
@@ -259,3 +262,44 @@ class TestTurnTooLarge:
 
 
 PREFIX_TOKENS = _plan(BodyInputs(), 100_000).prefix_tokens
+
+
+@given(
+    result=st.builds(
+        ToolResult,
+        id=st.text(min_size=1, max_size=20),
+        seq=st.integers(min_value=0, max_value=10**6),
+        trust=st.sampled_from(TrustLevel),
+        tainted=st.booleans(),
+        call_id=st.text(max_size=10),
+        tool_name=st.text(max_size=10),
+        content=st.text(max_size=30),
+        artifact_ref=st.none() | st.text(max_size=10),
+    ),
+    raw_tokens=st.integers(min_value=0, max_value=10**6),
+    pointer_tokens=st.integers(min_value=0, max_value=10**4),
+)
+def test_a_pointer_segment_made_without_its_item_is_the_pointer_items_segment(
+    result: ToolResult, raw_tokens: int, pointer_tokens: int
+) -> None:
+    """A build makes a pointer's segment straight from the tool result (`pointer_segment_of`: no pointer item per
+    result, which a cold worker's build under pressure makes hundreds of); it is the very segment `segment_of` makes
+    of the pointer item, for every trust, taint, call id and reference."""
+    pointer = pointer_for(result, raw_tokens)
+    text = render_item(pointer, f.SECRET)
+    assert pointer_segment_of(result, text, pointer_tokens) == segment_of(pointer, text, pointer_tokens)
+
+
+def test_forgetting_the_items_a_checkpoint_covers_forgets_their_pointers() -> None:
+    """A build under pressure memoises each pointer with its tool result: when the results leave the memo (a
+    checkpoint covers them), so do their pointers: the memo holds nothing of the items it forgot."""
+    body = _body(10)
+    cache = RenderCache(f.SECRET)
+    full = _plan(body, 100_000)
+    window = full.estimated_tokens + 500 - full.tokens_by_class["recall"] - 200
+    budget = ContextBudget(context_window=window, output_reserve=500)
+    plan = build(PREFIX, body, budget=budget, estimator=f.estimator(), secret=f.SECRET, cache=cache)
+    assert any(s.kind == "elided_span" for s in plan.segments)
+    shown = [*body.history, *body.recall, *([body.current] if body.current else [])]
+    cache.forget({item.id for item in shown})
+    assert len(cache) == 0
