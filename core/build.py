@@ -372,7 +372,8 @@ _TYPE_FIELDS = {t: _type_fields(t) for t in ITEM_TYPES}
 
 
 def segment_of(item: Item, text: str, raw_tokens: int) -> Segment:
-    """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived."""
+    """`item`'s segment, rendered as `text` and counted as `raw_tokens`: the one place its fields are derived (a
+    pointer's without its item: `pointer_segment_of`, tested equal to this)."""
     cls = type(item)
     region, budget_class, role, paired, _ = _TYPE_FIELDS.get(cls) or _type_fields(cls)
     # In field order, positionally (a cold worker's memo makes one per logged item; keywords cost it a third more):
