@@ -106,18 +106,17 @@ class StoredForm(NamedTuple):
         """This form followed by `tail`'s, a run across the junction made one."""
         if not self.entries:
             return tail
-        done = self.ends[-1]
+        n, done = len(self.entries), self.ends[-1]
+        entries, spans = self.entries + tail.entries, self.spans + tail.spans
+        ends = self.ends + [end + done for end in tail.ends]
         last, first = self.spans[-1], tail.spans[0] if tail.spans else None
         if last is not None and first is not None and last[2] + 1 == first[1]:
+            # The run that ends this form goes on in the tail's first entry: one entry for both.
             span = (last[0], last[1], first[2])
-            return StoredForm(
-                [*self.entries[:-1], _reference(*span), *tail.entries[1:]],
-                [*self.spans[:-1], span, *tail.spans[1:]],
-                [*self.ends[:-1], *(end + done for end in tail.ends)],
-            )
-        return StoredForm(
-            self.entries + tail.entries, self.spans + tail.spans, self.ends + [end + done for end in tail.ends]
-        )
+            entries[n - 1 : n + 1] = [_reference(*span)]
+            spans[n - 1 : n + 1] = [span]
+            del ends[n - 1]
+        return StoredForm(entries, spans, ends)
 
 
 class BodyForm(NamedTuple):
