@@ -11,11 +11,19 @@ from temporalio.common import MetricCounter, MetricHistogram, MetricMeter
 
 from contract.events import EventType
 
-_instruments: dict[tuple[int, str], Any] = {}
+# Instruments by name and by the attributes the SDK gives an activity's meter (`activity.metric_meter()`: a new meter
+# for each activity run, with its namespace, task queue and activity type): made once per label set, and never
+# taken from another activity's meter. Bounded by names x task queues x activity types.
+_instruments: dict[tuple[str, str, str, str], Any] = {}
+
+
+def _key(name: str) -> tuple[str, str, str, str]:
+    info = activity.info()
+    return (name, info.namespace, info.task_queue, info.activity_type)
 
 
 def _counter(meter: MetricMeter, name: str, description: str, unit: str = "1") -> MetricCounter:
-    key = (id(meter), name)
+    key = _key(name)
     if key not in _instruments:
         _instruments[key] = meter.create_counter(name, description, unit)
     instrument: MetricCounter = _instruments[key]
@@ -23,7 +31,7 @@ def _counter(meter: MetricMeter, name: str, description: str, unit: str = "1") -
 
 
 def _histogram(meter: MetricMeter, name: str, description: str, unit: str = "1") -> MetricHistogram:
-    key = (id(meter), name)
+    key = _key(name)
     if key not in _instruments:
         _instruments[key] = meter.create_histogram(name, description, unit)
     instrument: MetricHistogram = _instruments[key]
