@@ -12,8 +12,8 @@ from temporalio.common import MetricCounter, MetricHistogram, MetricMeter
 from contract.events import EventType
 
 # Instruments by name and by the attributes the SDK gives an activity's meter (`activity.metric_meter()`: a new meter
-# for each activity run, with its namespace, task queue and activity type): made once per label set, and never
-# taken from another activity's meter. Bounded by names x task queues x activity types.
+# for each activity run, with its namespace, task queue and activity type): made from the first run's meter of a
+# label set and used by every later run with those labels. Bounded by names x task queues x activity types.
 _instruments: dict[tuple[str, str, str, str], Any] = {}
 
 
