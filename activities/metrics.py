@@ -13,17 +13,18 @@ from contract.events import EventType
 
 # Instruments by name and by the attributes the SDK gives an activity's meter (`activity.metric_meter()`: a new meter
 # for each activity run, with its namespace, task queue and activity type): made from the first run's meter of a
-# label set and used by every later run with those labels. Bounded by names x task queues x activity types.
-_instruments: dict[tuple[str, str, str, str], Any] = {}
+# label set and used by every later run with those labels (and the same kind of meter: a no-op meter's instrument,
+# as in tests without a runtime, never serves a real one). Bounded by names x task queues x activity types.
+_instruments: dict[tuple[type, str, str, str, str], Any] = {}
 
 
-def _key(name: str) -> tuple[str, str, str, str]:
+def _key(meter: MetricMeter, name: str) -> tuple[type, str, str, str, str]:
     info = activity.info()
-    return (name, info.namespace, info.task_queue, info.activity_type)
+    return (type(meter), name, info.namespace, info.task_queue, info.activity_type)
 
 
 def _counter(meter: MetricMeter, name: str, description: str, unit: str = "1") -> MetricCounter:
-    key = _key(name)
+    key = _key(meter, name)
     if key not in _instruments:
         _instruments[key] = meter.create_counter(name, description, unit)
     instrument: MetricCounter = _instruments[key]
@@ -31,7 +32,7 @@ def _counter(meter: MetricMeter, name: str, description: str, unit: str = "1") -
 
 
 def _histogram(meter: MetricMeter, name: str, description: str, unit: str = "1") -> MetricHistogram:
-    key = _key(name)
+    key = _key(meter, name)
     if key not in _instruments:
         _instruments[key] = meter.create_histogram(name, description, unit)
     instrument: MetricHistogram = _instruments[key]
