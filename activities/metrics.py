@@ -4,39 +4,46 @@ activity retry never counts twice."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from temporalio import activity
 from temporalio.common import MetricCounter, MetricHistogram, MetricMeter
 
 from contract.events import EventType
 
+Instrument = TypeVar("Instrument")
+
 # Instruments by name and by the attributes the SDK gives an activity's meter (`activity.metric_meter()`: a new meter
 # for each activity run, with its namespace, task queue and activity type): made from the first run's meter of a
-# label set and used by every later run with those labels (and the same kind of meter: a no-op meter's instrument,
-# as in tests without a runtime, never serves a real one). Bounded by names x task queues x activity types.
-_instruments: dict[tuple[type, str, str, str, str], Any] = {}
+# label set and used by every later run with those labels into the same runtime. Bounded by names x task queues x
+# activity types x runtimes.
+_instruments: dict[tuple[int, str, str, str, str], Any] = {}
 
 
-def _key(meter: MetricMeter, name: str) -> tuple[type, str, str, str, str]:
+def _runtime_of(meter: MetricMeter) -> int:
+    """What `meter` records into: the runtime's meter behind the per-run one (the SDK's `_MetricMeter` keeps it as
+    `_core_meter`; kept alive by the instruments made from it, so its id stays its own), else the meter itself (the
+    no-op meter of a test without a runtime). Two runtimes in one process never share an instrument."""
+    return id(getattr(meter, "_core_meter", meter))
+
+
+def _made(meter: MetricMeter, name: str, make: Callable[[], Instrument]) -> Instrument:
+    """The instrument `name` of this activity run's label set and runtime: `make()` the first time, kept after."""
     info = activity.info()
-    return (type(meter), name, info.namespace, info.task_queue, info.activity_type)
+    key = (_runtime_of(meter), name, info.namespace, info.task_queue, info.activity_type)
+    if key not in _instruments:
+        _instruments[key] = make()
+    instrument: Instrument = _instruments[key]
+    return instrument
 
 
 def _counter(meter: MetricMeter, name: str, description: str, unit: str = "1") -> MetricCounter:
-    key = _key(meter, name)
-    if key not in _instruments:
-        _instruments[key] = meter.create_counter(name, description, unit)
-    instrument: MetricCounter = _instruments[key]
-    return instrument
+    return _made(meter, name, lambda: meter.create_counter(name, description, unit))
 
 
 def _histogram(meter: MetricMeter, name: str, description: str, unit: str = "1") -> MetricHistogram:
-    key = _key(meter, name)
-    if key not in _instruments:
-        _instruments[key] = meter.create_histogram(name, description, unit)
-    instrument: MetricHistogram = _instruments[key]
-    return instrument
+    return _made(meter, name, lambda: meter.create_histogram(name, description, unit))
 
 
 def record_event(type_: EventType, payload: dict[str, Any]) -> None:

@@ -81,3 +81,32 @@ def test_metric_instruments_are_made_once_per_label_set() -> None:
         if s.name in ("ctxengine_requests", "ctxengine_requests_total")
     }
     assert exported == runs
+
+
+def test_two_runtimes_in_one_process_count_their_own_runs() -> None:
+    """Instruments are kept per runtime too: runs with the same labels under two runtimes (two workers of one process,
+    each with its own metrics endpoint) are each exported by their own runtime's endpoint, never by the other's."""
+    ports = [free_port(), free_port()]
+    runtimes = [
+        Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}"))) for port in ports
+    ]
+    runs = [3, 5]
+    reconciled = {"actual_tokens": 100, "cached_tokens": 0, "prefix_tokens_reused": 0, "error_tokens": 0}
+    for runtime, n in zip(runtimes, runs, strict=True):
+        for _ in range(n):
+            env = ActivityEnvironment()
+            env.info = dataclasses.replace(env.info, activity_type="model.call")
+            env.metric_meter = runtime.metric_meter
+            env.run(record_event, EventType.ESTIMATOR_RECONCILED, reconciled)
+    exported = []
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        exported.append(
+            sum(
+                s.value
+                for fam in text_string_to_metric_families(text)
+                for s in fam.samples
+                if s.name in ("ctxengine_requests", "ctxengine_requests_total")
+            )
+        )
+    assert exported == runs
