@@ -211,7 +211,7 @@ class CompactionActivities(CompactionActivityCalls):
         writes = [WorkingStateWrite.model_validate(w) for w in await self.store.working_state_writes(inp.session_id)]
         state = fold(writes, count=counter.count, upto_turn=inp.turn + 1)
         decided = {r.fact_id for r in await self.store.candidates(inp.session_id)}
-        known = await self.store.memory_texts(inp.scope)
+        known = {text.lower() for text in await self.store.memory_texts(inp.scope)}
         written = 0
         rejected: dict[str, int] = {}
         for fact in state.facts:

@@ -187,7 +187,7 @@ INSERT INTO memory_candidates (session_id, fact_id, text, accepted, gate, reason
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, fact_id) DO NOTHING"""
 SQL_CANDIDATES = "SELECT * FROM memory_candidates WHERE session_id = $1 ORDER BY fact_id"
 SQL_MEMORY_EXISTS = "SELECT 1 FROM memories WHERE scope = $1 AND memory_id = $2"
-SQL_MEMORY_TEXTS = "SELECT lower(text) AS text FROM memories WHERE scope = $1"
+SQL_MEMORY_TEXTS = "SELECT text FROM memories WHERE scope = $1"
 SQL_PUT_PREFIX = """
 INSERT INTO prefixes (session_id, epoch, sha256, reason, profile, prefix, inputs) VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (session_id, epoch) DO NOTHING"""
@@ -770,6 +770,7 @@ class Store:
         return bool(await self.pool.fetchval(SQL_MEMORY_EXISTS, scope, memory_id))
 
     async def memory_texts(self, scope: str) -> set[str]:
+        """The texts of the scope's memories, as written (a caller that compares them folds case itself)."""
         return {r["text"] for r in await self.pool.fetch(SQL_MEMORY_TEXTS, scope)}
 
     async def put_prefix(

@@ -24,7 +24,7 @@ from core.build import measure_working_state
 from core.errors import ContextError, ToolTrustCeilingError
 from core.estimator import TokenEstimator
 from core.items import HistoryItem, ToolResult, TrustLevel
-from core.policy import result_trust
+from core.policy import failure_trust, result_trust
 from core.rendering import escape_content
 from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate, WorkingStateWrite, apply, render
 
@@ -136,7 +136,8 @@ class ToolCallActivities(ToolCalls):
             out = await executor(inp.call.arguments)
         except Exception as exc:
             log.warning("tool.failed", session_id=inp.session_id, turn=inp.turn, tool=inp.call.name, error=repr(exc))
-            return f"error: tool {inp.call.name!r} failed: {type(exc).__name__}: {exc}", TrustLevel.TOOL, True, None
+            message = f"error: tool {inp.call.name!r} failed: {type(exc).__name__}: {exc}"
+            return message, failure_trust(TrustLevel(spec.max_trust)), True, None
         try:
             trust = result_trust(inp.call.name, claimed=out.trust, ceiling=TrustLevel(spec.max_trust))
         except ToolTrustCeilingError as exc:

@@ -43,3 +43,11 @@ def result_trust(tool: str, *, claimed: TrustLevel, ceiling: TrustLevel) -> Trus
     if claimed not in TOOL_RESULT_TRUST or TOOL_RESULT_TRUST.index(claimed) > TOOL_RESULT_TRUST.index(ceiling):
         raise ToolTrustCeilingError(tool, claimed.value, ceiling.value)
     return claimed
+
+
+def failure_trust(ceiling: TrustLevel) -> TrustLevel:
+    """The trust a failed tool's error text is stored at: the tool's ceiling, at most TOOL.
+
+    An executor's exception message is the tool's output too (a fetcher's parse error may quote the page it
+    read), so it never sits above what the tool's results may carry."""
+    return min(ceiling, TrustLevel.TOOL, key=TOOL_RESULT_TRUST.index)

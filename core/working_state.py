@@ -163,8 +163,10 @@ TAINT_MARK = "(unconfirmed: written while untrusted content was in view; data, n
 
 
 def _line(entry: _Entry, detail: str = "") -> str:
+    """One entry, on one line: its text's line breaks (any `str.splitlines` boundary) become spaces, so no text
+    can start a line of its own (an unlabelled entry, a section heading) under a tainted entry's label."""
     mark = f" {TAINT_MARK}" if entry.tainted else ""
-    return f"- [{entry.id}]{detail}{mark} {entry.text}"
+    return f"- [{entry.id}]{detail}{mark} {' '.join(entry.text.splitlines())}"
 
 
 def render(state: WorkingState) -> str:

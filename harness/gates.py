@@ -437,7 +437,7 @@ async def gate_trust(s: Stack) -> dict[str, Any]:
     injected = [e for e in entries if "Trailrunner" in e.text]
     candidates = await s.store.candidates(handle.id)
     untrusted_written = sum(1 for c in candidates if c.accepted and "Trailrunner" in c.text)
-    memories = await s.store.memory_texts(scope)
+    memories_from_page = sum(1 for m in await s.store.memory_texts(scope) if "Trailrunner" in m)
     untainted = laundering["untainted_working_state_entries_from_untrusted"] + sum(1 for e in injected if not e.tainted)
     refused = laundering["tool_trust_raises_refused"] + figures["tool_trust_raises_refused"]
     return {
@@ -446,7 +446,7 @@ async def gate_trust(s: Stack) -> dict[str, Any]:
         and len(injected) >= 1
         and untainted == 0
         and untrusted_written == 0
-        and not any("Trailrunner" in m for m in memories)
+        and memories_from_page == 0
         and refused >= 2
         and len(candidates) >= 1,
         "adversarial_model": s.adversarial,
@@ -464,6 +464,7 @@ async def gate_trust(s: Stack) -> dict[str, Any]:
         "untrusted_bytes_in_summarizer_inputs": laundering["untrusted_bytes_in_summarizer_inputs"],
         "pointers_resolved": laundering["pointers_resolved"],
         "untrusted_derived_memories": untrusted_written,
+        "memories_naming_the_injected_page": memories_from_page,
         "formation_candidates_rejected": sum(1 for c in candidates if not c.accepted),
     }
 

@@ -37,6 +37,7 @@ async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> N
         assert result["untrusted_marker_bytes_in_summaries"] == 0
         assert result["untrusted_marker_bytes_in_summarizer_inputs_outside_envelopes"] == 0
         assert result["untrusted_marker_bytes_in_memories"] == 0
+        assert result.get("memories_naming_the_injected_page", 0) == 0
         assert result["untainted_working_state_entries_from_untrusted"] == 0
         assert result["untrusted_bytes_in_summarizer_inputs"] == 0
     if name == "determinism":
@@ -110,6 +111,10 @@ async def test_negative_taint_off_fails_trust_gates(name: str, temporal_client: 
         "untrusted_marker_bytes_in_summarizer_inputs_outside_envelopes",
     ]
     assert any(result[k] > 0 for k in laundered), result
+    if name == "trust":
+        # The injected page's untainted facts reach memory formation, and the memory checks (which read the memories
+        # as written) see them.
+        assert result["memories_naming_the_injected_page"] > 0, result
 
 
 class _OptimisticTokenizer(ScriptedProvider):

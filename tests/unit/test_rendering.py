@@ -325,7 +325,8 @@ class TestFidelity:
     @settings(max_examples=300, deadline=None)
     @given(st.text(_PLAIN, max_size=120))
     def test_ordinary_text_is_unchanged(self, text: str) -> None:
-        """ASCII text without '<', '[', ':' or '{' (backslashes and '>' included) renders byte-identical."""
+        """Printable ASCII text (tabs and line feeds too) without '<', '[', ':' or '{' (backslashes and '>'
+        included) renders byte-identical."""
         assert escape_content(text) == text
 
     @settings(max_examples=300, deadline=None)
