@@ -552,7 +552,7 @@ _OPENER_RE = re.compile(
 )
 _CLOSER_RE = re.compile(r"<</ctx:(?P<nonce>[0-9a-f]{16,64})>>(?:\n|\Z)")
 _PLACEHOLDER_RE = re.compile(r"<</?ctx:(?![0-9a-f])(?=.)", re.DOTALL)
-_BODY_CTX_RE = re.compile(r"ctx:", re.IGNORECASE)
+_RAW_CTX_RE = re.compile(r"ctx:", re.IGNORECASE)
 
 
 def _unescape_at(text: str, offset: int, what: str) -> str:
@@ -562,13 +562,20 @@ def _unescape_at(text: str, offset: int, what: str) -> str:
         raise EnvelopeParseError(f"{what} starting at offset {offset}: {exc}") from None
 
 
-def _check_body(body: str, body_start: int, start: int) -> None:
-    """Reject a body escaping never produces that could read as a marker: a raw ``ctx:`` in any case."""
-    if (found := _BODY_CTX_RE.search(body)) is not None:
+def _checked(text: str, offset: int, start: int, what: str) -> str:
+    """`text` (a body or an attribute value at `offset`) unescaped, rejecting what escaping never produces and
+    could read as a marker: a raw ``ctx:`` in any case (and, through `_unescape_at`, a bad escape)."""
+    if (found := _RAW_CTX_RE.search(text)) is not None:
         raise EnvelopeParseError(
-            f"unescaped {found.group()!r} at offset {body_start + found.start()} inside the envelope opened "
+            f"unescaped {found.group()!r} at offset {offset + found.start()} in the {what} opened "
             f"at offset {start}: escaped content writes its colon as \\u{{3A}}"
         )
+    return _unescape_at(text, offset, what)
+
+
+def _attribute(opener: re.Match[str], group: str, name: str | None = None) -> str:
+    """The value of the opener's attribute `name` (its regex group `group`), checked and unescaped."""
+    return _checked(opener[group], opener.start(group), opener.start(), f"{name or group} attribute of the envelope")
 
 
 def parse_envelopes(rendered: str) -> list[Envelope]:
@@ -579,7 +586,7 @@ def parse_envelopes(rendered: str) -> list[Envelope]:
     ``provenance`` attribute after the id. Raises :class:`EnvelopeParseError` for a malformed or truncated
     opener, a missing closer, a ``<<`` inside a body (escaped content has none, so the first ``<<`` after an
     opener must be its closer), a closer whose nonce differs from its opener's, a stray closer, a raw
-    ``ctx:`` or a bad escape inside a body.
+    ``ctx:`` or a bad escape inside a body or an attribute value.
     """
     envelopes: list[Envelope] = []
     pos = 0
@@ -617,18 +624,14 @@ def parse_envelopes(rendered: str) -> list[Envelope]:
         if boundary == body_start or rendered[boundary - 1] != "\n":
             raise EnvelopeParseError(f"closing marker at offset {boundary} must start a line after the envelope body")
         body = rendered[body_start : boundary - 1]
-        _check_body(body, body_start, start)
-        provenance = opener["provenance"]
         envelopes.append(
             Envelope(
                 nonce=nonce,
-                source=_unescape_at(opener["source"], start, "source attribute of the envelope"),
-                trust=_unescape_at(opener["trust"], start, "trust attribute of the envelope"),
-                item_id=_unescape_at(opener["item_id"], start, "id attribute of the envelope"),
-                content=_unescape_at(body, body_start, "envelope body"),
-                provenance=None
-                if provenance is None
-                else _unescape_at(provenance, start, "provenance attribute of the envelope"),
+                source=_attribute(opener, "source"),
+                trust=_attribute(opener, "trust"),
+                item_id=_attribute(opener, "item_id", "id"),
+                content=_checked(body, body_start, start, "body of the envelope"),
+                provenance=None if opener["provenance"] is None else _attribute(opener, "provenance"),
             )
         )
         pos = closer.end()

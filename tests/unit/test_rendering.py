@@ -517,6 +517,18 @@ class TestParseErrors:
         with pytest.raises(EnvelopeParseError, match="offset"):
             parse_envelopes(rendered)
 
+    @pytest.mark.parametrize("attribute", ["source", "trust", "id", "provenance"])
+    @pytest.mark.parametrize("bad_value", ["web ctx:x", "CTX:", "\\u{110000}", "\\u{3c}", "\\u{"])
+    def test_bad_attribute(self, attribute: str, bad_value: str) -> None:
+        """An attribute value with a raw 'ctx:' or a malformed escape is rejected, as a body is (escaping never
+        writes one), naming the attribute."""
+        values = {"source": "s", "trust": "t", "id": "i", "provenance": "untrusted", attribute: bad_value}
+        opener = f'<<ctx:{NONCE} source="{values["source"]}" trust="{values["trust"]}" id="{values["id"]}"'
+        rendered = f'{opener} provenance="{values["provenance"]}">>\nbody\n<</ctx:{NONCE}>>\n'
+        with pytest.raises(EnvelopeParseError, match=f"{attribute} attribute.*offset"):
+            parse_envelopes(rendered)
+        assert parse_envelopes(rendered.replace(bad_value, "ok"))[0].content == "body"
+
     @pytest.mark.parametrize(
         ("body", "content"),
         [("a<b>c", "a<b>c"), ("\\q", "\\q"), ("trailing\\", "trailing\\"), ("\\\\", "\\\\"),
