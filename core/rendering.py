@@ -51,7 +51,7 @@ __all__ = [
 NONCE_HEX_CHARS = 24
 """Length of a nonce made by :func:`derive_nonce` (96 bits of HMAC-SHA256)."""
 
-ESCAPING_RULES_VERSION = "fidelity-2"
+ESCAPING_RULES_VERSION = "fidelity-3"
 """Version tag of the escaping rules, hashed into :data:`ESCAPING_FINGERPRINT`. Bump it whenever the rules
 change what :func:`escape_content` emits, so the prefix epoch rotates on upgrade."""
 
@@ -135,6 +135,11 @@ _LOOKALIKE_TARGETS = "<>/:\\"
 _BRACKET_NAME_RE = re.compile(r"ANGLE BRACKET|ANGLE QUOTATION MARK|POINTING ANGLE|LESS-THAN|GREATER-THAN")
 """Names of angle-bracket look-alikes the confusables table misses (e.g. U+3008, U+00AB, U+226A)."""
 
+_COLON_NAME_RE = re.compile(r"(?<!SEMI)COLON\b|^ETHIOPIC WORDSPACE$")
+"""Names of characters drawn as a colon that escaping keeps, being ordinary punctuation in their scripts
+(MONGOLIAN COLON, ETHIOPIC WORDSPACE, SYRIAC and BAMUM colons, TRICOLON ...): after a line-opening role word
+they make it a role marker all the same (`_COLON_AHEAD`)."""
+
 _INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 # Default_Ignorable_Code_Point (Unicode DerivedCoreProperties.txt), a property unicodedata does not expose,
@@ -210,10 +215,12 @@ def _homoglyph_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]]]:
-    """Scan the code space once: invisible characters, NFKD/name look-alikes, NFKC letter folds."""
+def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]], frozenset[str]]:
+    """Scan the code space once: invisible characters, NFKD/name look-alikes, NFKC letter folds, and the
+    characters named as colons (`_COLON_NAME_RE`)."""
     invisible: set[str] = {chr(cp) for lo, hi in _IGNORABLE_RANGES for cp in range(lo, hi + 1)}
     lookalike: set[str] = set()
+    colons: set[str] = set()
     folds: dict[str, set[str]] = {}
     category = unicodedata.category
     decomposition = unicodedata.decomposition
@@ -236,9 +243,13 @@ def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]]]:
                 folded = normalize("NFKC", ch).casefold()
                 if len(folded) == 1 and "a" <= folded <= "z":
                     folds.setdefault(folded, set()).add(ch)
-            if cat[0] in "SP" and _BRACKET_NAME_RE.search(name(ch, "")):
-                lookalike.add(ch)
-    return frozenset(invisible), frozenset(lookalike), folds
+            if cat[0] in "SP" or cat in ("Lm", "Sk"):
+                called = name(ch, "")
+                if cat[0] in "SP" and _BRACKET_NAME_RE.search(called):
+                    lookalike.add(ch)
+                if _COLON_NAME_RE.search(called):
+                    colons.add(ch)
+    return frozenset(invisible), frozenset(lookalike), folds, frozenset(colons)
 
 
 _CHAT_TAGS = (
@@ -290,10 +301,11 @@ def _bar_lookalikes(graph: dict[str, set[str]]) -> frozenset[str]:
     return frozenset(ch for ch in bars if unicodedata.category(ch)[0] in "SP")
 
 
-def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, frozenset[str]], frozenset[str]]:
-    """Return the dangerous set, the escape table, the look-alikes of each ASCII letter and the bars."""
+def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, frozenset[str]], frozenset[str], frozenset[str]]:
+    """Return the dangerous set, the escape table, the look-alikes of each ASCII letter, the bars and the
+    colon-like characters escaping keeps."""
     graph = _homoglyph_graph()
-    invisible, lookalike, folds = _scan()
+    invisible, lookalike, folds, colons = _scan()
     # Direct confusables of the targets, plus the symbol and punctuation twins of the NFKD and named
     # look-alikes (e.g. U+276C for U+3008). No further closure: it would reach ordinary letters and digits.
     lookalikes = set(lookalike)
@@ -311,7 +323,7 @@ def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, frozenset
         members = {letter, letter.upper()} | folds.get(letter, set())
         members |= graph.get(letter, set()) | graph.get(letter.upper(), set())
         letters[letter] = frozenset(members - dangerous)
-    return dangerous, table, letters, _bar_lookalikes(graph)
+    return dangerous, table, letters, _bar_lookalikes(graph), colons - dangerous
 
 
 def _char_class(chars: Iterable[str]) -> str:
@@ -329,7 +341,7 @@ def _char_class(chars: Iterable[str]) -> str:
     return "[" + "".join(parts) + "]"
 
 
-DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS = _build_tables()
+DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE = _build_tables()
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}``: look-alikes of ``<`` ``>`` ``/``
 ``:`` ``\\``, invisible, control and format characters except newline, tab and a carriage return before a
 line feed, and lone surrogates. ASCII ``<`` and ``>`` are not in it: they are escaped only where they
@@ -367,7 +379,7 @@ def _word(word: str, *, fast: bool = False) -> str:
 
 _ESC = r"\\u\{[0-9A-F]{1,6}\}"
 _HSPACE = r"[^\S\n]"
-_COLON_AHEAD = rf"{_HSPACE}*[*_]*{_HSPACE}*(?::|{_ESC})"
+_COLON_AHEAD = rf"{_HSPACE}*[*_]*{_HSPACE}*(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
 
 
 def _role_first(*, fast: bool) -> str:
@@ -376,7 +388,8 @@ def _role_first(*, fast: bool) -> str:
 
 
 # A role word opens a line (after any run of blanks, markdown markers, quote markers or made-visible
-# invisibles) and is followed by a colon (or an escaped colon look-alike); its first character is escaped.
+# invisibles) and is followed by a colon (an escaped colon look-alike, or a colon-like character escaping keeps:
+# `_COLON_LIKE`); its first character is escaped.
 # The run is possessive (no letter can start it), so a long run of '>' or blanks costs one pass, not a
 # backtracking search.
 _ROLE_BODY = rf"(?P<pre>(?:{_HSPACE}|[#*_=~>-]|{_ESC})*+)(?P<first>{_role_first(fast=True)})"
@@ -405,6 +418,7 @@ ESCAPING_FINGERPRINT = hashlib.sha256(
             *_BRACKET_TAGS,
             *_CHAT_TAGS,
             "".join(sorted(_BARS)),
+            "".join(sorted(_COLON_LIKE)),
         ]
     ).encode("utf-8", "surrogatepass")
 ).hexdigest()[:16]
