@@ -47,18 +47,24 @@ def short(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether a retry can outlive `exc`: the database unreachable or restarting, a dropped connection, a
+    timeout, or a PostgreSQL error of a class a retry outlives (`_TRANSIENT_SQLSTATE`)."""
+    if isinstance(exc, asyncpg.PostgresError):
+        return str(getattr(exc, "sqlstate", "") or "")[:2] in _TRANSIENT_SQLSTATE
+    return isinstance(exc, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | TimeoutError | ConnectionError)
+
+
 def classify(exc: BaseException) -> ApplicationError:
     """The failure Temporal should record for `exc`: typed, short, retryable only if a retry can help."""
     cause = short(f"{type(exc).__name__}: {exc}")
+    if transient(exc):
+        return ApplicationError(cause, type=type(exc).__name__)
     if isinstance(exc, asyncpg.PostgresError):
         state = str(getattr(exc, "sqlstate", "") or "")
-        if state[:2] in _TRANSIENT_SQLSTATE:
-            return ApplicationError(cause, type=type(exc).__name__)
         if state[:2] == "22":  # data exception: NUL in text, a value out of range, bad encoding
             return ApplicationError(cause, type=INVALID_DATA, non_retryable=True)
         return ApplicationError(cause, type=PROGRAMMING_ERROR, non_retryable=True)
-    if isinstance(exc, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | TimeoutError | ConnectionError):
-        return ApplicationError(cause, type=type(exc).__name__)
     if isinstance(exc, UnicodeError | pydantic.ValidationError | ValueError):
         return ApplicationError(cause, type=INVALID_DATA, non_retryable=True)
     return ApplicationError(cause, type=PROGRAMMING_ERROR, non_retryable=True)

@@ -9,13 +9,16 @@ model twice.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from datetime import timedelta
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.failures import transient
 from activities.provider import ProviderRequest
 from activities.session_state import SessionState, calibrated, provider_segment
 from activities.wire import WirePrefix
@@ -23,12 +26,14 @@ from contract import names
 from contract.activity_interfaces import ModelCalls
 from contract.events import EventType
 from contract.payloads import ModelInput, ModelResult, ToolCallRequest
+from contract.retries import INITIAL_INTERVAL_S, MAXIMUM_INTERVAL_S, STORE_OUTAGE_WAIT_S
 from core.estimator import reconcile
 from core.explain import first_wire_difference
 from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
 from core.plan import SEGMENT
 
 T = TypeVar("T")
+log = structlog.get_logger("ctxengine.activities")
 
 
 class ModelCallActivities(ModelCalls):
@@ -41,16 +46,20 @@ class ModelCallActivities(ModelCalls):
 
     @activity.defn(name=names.ACTIVITY_MODEL)
     async def call_model(self, inp: ModelInput) -> ModelResult:
-        """Send the stored request through the provider port, append the reply, record usage, reconcile."""
+        """Send the stored request through the provider port, append the reply, record usage, reconcile.
+
+        Every read and write of the store waits out a database outage within the attempt (`_store_waiting`)."""
         state, store = self.state, self.state.store
         # One read: the session, the request's record, the log since this worker's memo, the calibrations.
-        open_, cache, reads = await state.call_reads(
-            inp.session_id,
-            inp.turn,
-            inp.call_index,
-            inp.epoch,
-            inp.request_sha256,
-            first_attempt=activity.info().attempt == 1,
+        open_, cache, reads = await _store_waiting(
+            lambda: state.call_reads(
+                inp.session_id,
+                inp.turn,
+                inp.call_index,
+                inp.epoch,
+                inp.request_sha256,
+                first_attempt=activity.info().attempt == 1,
+            )
         )
         record = reads.record
         if record is None or record.request_sha256 != inp.request_sha256:
@@ -59,7 +68,7 @@ class ModelCallActivities(ModelCalls):
                 type="UnknownRequest",
                 non_retryable=True,
             )
-        prefix, epoch_profile = await state.prefix(inp.session_id, inp.epoch, cache)
+        prefix, epoch_profile = await _store_waiting(lambda: state.prefix(inp.session_id, inp.epoch, cache))
         base = f"t{inp.turn}.m{inp.call_index}."
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if logged and record.actual_input_tokens is not None:
@@ -78,7 +87,7 @@ class ModelCallActivities(ModelCalls):
         else:  # built on another worker: its body came with the read, the items it refers to are in the memo
             body = cache.resolved(inp.session_id, reads.request.body) if reads.request is not None else None
             if body is None:  # not read, or naming items the memo does not hold: read it whole
-                stored = await store.get_request(inp.request_sha256)
+                stored = await _store_waiting(lambda: store.get_request(inp.request_sha256))
                 if stored is None:
                     raise ApplicationError(
                         f"no stored body for request {inp.request_sha256}", type="UnknownRequest", non_retryable=True
@@ -106,8 +115,8 @@ class ModelCallActivities(ModelCalls):
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
         reply = await _heartbeating(_within_attempt(provider.complete(request)))
-        if reply.wire_prefix is not None:
-            await self._record_wire_prefix(inp, reply.wire_prefix)
+        if (wire := reply.wire_prefix) is not None:
+            await _store_waiting(lambda: self._record_wire_prefix(inp, wire))
         # The outcome: usage (the first attempt's figures win), the estimator's reconciliation and its event.
         usage = reply.usage
         profile = calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
@@ -175,24 +184,26 @@ class ModelCallActivities(ModelCalls):
         # One write: usage, reconciliation and its event, and the reply's items as one group (logged after the
         # request was built: its inputs name that position), all or none of them.
         renders = state.render_for_log(new_items, cache)
-        recorded, added, seqs = await store.record_outcome(
-            inp.session_id,
-            inp.turn,
-            inp.call_index,
-            actual=usage.input_tokens,
-            cached=usage.cached_tokens,
-            output=usage.output_tokens,
-            route=profile.route,
-            observed=rec.observed_ratio,
-            first=learned.calibration,
-            event_key=event_key,
-            event_type=EventType.ESTIMATOR_RECONCILED.value,
-            epoch=inp.epoch,
-            payload=payload,
-            append=new_items,
-            group_prefix=base,
-            group_after_seq=int(record.inputs.get("max_seq", -1)),
-            renders=renders,
+        recorded, added, seqs = await _store_waiting(
+            lambda: store.record_outcome(
+                inp.session_id,
+                inp.turn,
+                inp.call_index,
+                actual=usage.input_tokens,
+                cached=usage.cached_tokens,
+                output=usage.output_tokens,
+                route=profile.route,
+                observed=rec.observed_ratio,
+                first=learned.calibration,
+                event_key=event_key,
+                event_type=EventType.ESTIMATOR_RECONCILED.value,
+                epoch=inp.epoch,
+                payload=payload,
+                append=new_items,
+                group_prefix=base,
+                group_after_seq=int(record.inputs.get("max_seq", -1)),
+                renders=renders,
+            )
         )
         cache.answered(inp.request_sha256)
         if added:
@@ -200,9 +211,11 @@ class ModelCallActivities(ModelCalls):
         state.joined(new_items, seqs, renders, cache)
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if not logged:  # logged out of the memo's order (another attempt's reply): read the log
-            logged = [i for i in await state.items(inp.session_id, cache) if i.id.startswith(base)]
+            logged = [
+                i for i in await _store_waiting(lambda: state.items(inp.session_id, cache)) if i.id.startswith(base)
+            ]
         if not recorded:  # an earlier attempt recorded its usage first: its figures are the truth
-            first = await store.get_record(inp.session_id, inp.turn, inp.call_index)
+            first = await _store_waiting(lambda: store.get_record(inp.session_id, inp.turn, inp.call_index))
             assert first is not None and first.actual_input_tokens is not None
             return _model_result(
                 logged,
@@ -246,6 +259,37 @@ class ModelCallActivities(ModelCalls):
 
     def all(self) -> list[Any]:
         return [self.call_model]
+
+
+async def _store_waiting(op: Callable[[], Awaitable[T]]) -> T:
+    """`op()`, a read or write of the store, tried again while PostgreSQL is unreachable or restarting
+    (`failures.transient`): 0.2 s, doubling, at most 2 s apart, for as long as the other activities' retries wait
+    out an outage (`STORE_OUTAGE_WAIT_S`) and this attempt has time left. A model call's attempts are few and
+    each may cost a provider call: a database blink must not spend one, nor throw away a reply received (the
+    writes are idempotent: a retry of one that did commit finds it done). The interceptor heartbeats meanwhile."""
+    info = activity.info()
+    left = STORE_OUTAGE_WAIT_S
+    if info.start_to_close_timeout is not None:
+        ends = info.started_time + info.start_to_close_timeout
+        left = min(left, (ends - datetime.now(UTC)).total_seconds() - 1.0)
+    deadline = time.monotonic() + left
+    delay = INITIAL_INTERVAL_S
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not transient(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning(
+                "store.waiting",
+                activity=info.activity_type,
+                workflow_id=info.workflow_id,
+                attempt=info.attempt,
+                error=f"{type(exc).__name__}: {exc}",
+                retry_in_s=delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAXIMUM_INTERVAL_S)
 
 
 async def _heartbeating(work: Awaitable[T]) -> T:

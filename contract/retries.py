@@ -12,6 +12,10 @@ from __future__ import annotations
 ACTIVITY_MAX_ATTEMPTS = 40
 # A model call may cost a provider call per attempt and up to `timeouts.model_seconds` each.
 MODEL_MAX_ATTEMPTS = 4
+# So a model call spends no attempt on a database outage: within one attempt it waits for PostgreSQL, before the
+# provider call and after the reply (which is then stored, not thrown away), as long as the other activities'
+# 40 attempts do (~75 s) and its attempt has time left (activities/model_call.py).
+STORE_OUTAGE_WAIT_S = 75.0
 INITIAL_INTERVAL_S = 0.2
 MAXIMUM_INTERVAL_S = 2.0
 

@@ -24,6 +24,7 @@ from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
 
+from activities.provider import ProviderReply, ProviderRequest, ScriptedProvider
 from activities.store import Store
 from contract import names
 from contract.payloads import ActivityTimeouts, SessionState, TurnResult
@@ -271,6 +272,71 @@ async def test_postgres_restart_mid_session(
             )
             assert {before.prefix_sha256, during.prefix_sha256, after.prefix_sha256} == {prefix}
             await assert_state(handle, turns=3, requests=3, prefix=prefix)
+    finally:
+        await pg_restartable.start()
+        with contextlib.suppress(OSError, asyncpg.PostgresError):
+            conn = await asyncpg.connect(server_dsn, timeout=5)
+            try:
+                await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            finally:
+                await conn.close()
+
+
+class _CountingModel(ScriptedProvider):
+    """The scripted model, counting the requests it is asked, by request hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: dict[str, int] = {}
+
+    async def complete(self, request: ProviderRequest) -> ProviderReply:
+        self.asked[request.request_sha256] = self.asked.get(request.request_sha256, 0) + 1
+        return await super().complete(request)
+
+
+async def test_postgres_restart_during_a_model_call(
+    temporal_client: Client, pg_restartable: EmbeddedPostgres, task_queue: str
+) -> None:
+    """PostgreSQL stopped while the model answers and back 5 s later (longer than the model call's four attempts
+    last when each fails at once): the reply is stored by the same attempt once it is back, the model is asked
+    once, and the turn completes."""
+    server_dsn = await pg_restartable.start()
+    database = await _create_database(server_dsn)
+    dsn = dsn_with_database(server_dsn, database)
+    model = _CountingModel()
+    try:
+        async with stack(temporal_client, dsn, task_queue, providers={"scripted": model}) as store:
+            handle = await start(temporal_client, task_queue, session_open(timeouts=CRASH))
+            before = await turn(handle, "hello before the outage", update_id="turn-1")
+            pending = asyncio.create_task(turn(handle, "answer slowly\n/sleep 2", update_id="turn-2"))
+
+            async def model_call_started() -> bool | None:
+                desc = await handle.describe()
+                return next(
+                    (
+                        True
+                        for act in desc.raw_description.pending_activities
+                        if act.activity_type.name == names.ACTIVITY_MODEL
+                        and act.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+                    ),
+                    None,
+                )
+
+            await _until(model_call_started, "the second turn's model call to start")
+            await pg_restartable.stop()
+            try:
+                await asyncio.sleep(5)
+                assert not pending.done()
+            finally:
+                await pg_restartable.start()
+            during = await asyncio.wait_for(pending, timeout=60)
+            assert during.text.startswith("Noted: answer slowly")
+            calls = _scheduled(await _events(handle), names.ACTIVITY_MODEL)
+            assert _attempt(await _events(handle), calls[1].event_id) == 1
+            assert sorted(model.asked.values()) == [1, 1], model.asked
+            prefix = await assert_log(store, handle.id, expected_items(1, "turn-1", 0) + expected_items(2, "turn-2", 0))
+            assert {before.prefix_sha256, during.prefix_sha256} == {prefix}
+            await assert_state(handle, turns=2, requests=2, prefix=prefix)
     finally:
         await pg_restartable.start()
         with contextlib.suppress(OSError, asyncpg.PostgresError):
