@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
@@ -55,6 +56,11 @@ WORKFLOWS = [SessionWorkflow, CompactionWorkflow, ChildRunWorkflow]
 # A workflow task waits this long on a dead worker's sticky queue before any worker may take it (SDK default
 # 10 s): part of what a worker crash costs a turn (docs/reliability.md, "Failover").
 STICKY_SCHEDULE_TO_START = timedelta(seconds=1)
+# On SIGTERM or SIGINT the worker stops polling and gives the activities it runs this long to finish (under the
+# 10 s a container runtime waits before SIGKILL); what is still running then is cancelled and Temporal retries it
+# on another worker. The server is told the worker is gone, so its sessions' next workflow tasks skip the sticky
+# wait.
+GRACEFUL_SHUTDOWN = timedelta(seconds=8)
 # At start, PostgreSQL or Temporal may not be up yet (a host boot, a compose start): wait with backoff.
 STARTUP_WAIT_S = 120.0
 # The garbage collector's thresholds once the worker has started (`tuned_gc`): the young generation is collected
@@ -159,13 +165,15 @@ async def running_worker(
     interceptors: Sequence[Interceptor] = (),
     embedded_services: bool = False,
     eager_activities: bool = True,
+    graceful_shutdown: timedelta = timedelta(0),
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit.
 
     `providers`, `executors`, `activities_class` and `interceptors` are how the development harness registers
     its adversarial models, tools and faults (production passes none of them). `embedded_services`: the worker
     runs on the embedded dev server and PostgreSQL, where a session that names no `model_route` gets the
-    scripted model; any other worker refuses such a session at open (ModelRouteRequired).
+    scripted model; any other worker refuses such a session at open (ModelRouteRequired). `graceful_shutdown`:
+    how long running activities may take to finish when the worker stops (`main` passes `GRACEFUL_SHUTDOWN`).
     """
     activities = activities_class(
         store,
@@ -183,6 +191,7 @@ async def running_worker(
         interceptors=[FailureInterceptor(), *interceptors],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
         disable_eager_activity_execution=not eager_activities,
+        graceful_shutdown_timeout=graceful_shutdown,
     )
     async with worker:
         yield worker
@@ -236,6 +245,24 @@ async def main() -> None:
     configure_logging()
     log = structlog.get_logger("ctxengine.worker")
     config = settings()
+    # SIGTERM or SIGINT: a graceful shutdown once the worker runs; while it is still starting (waiting for Temporal
+    # or PostgreSQL), the start is cancelled, and what it started is stopped.
+    stop = asyncio.Event()
+    received: list[str] = []
+    starting = asyncio.current_task()
+
+    def stopping(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        if stop.is_set() or starting is None:
+            return
+        stop.set()
+        if not serving:
+            starting.cancel()
+
+    serving = False
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stopping, sig)
     metrics = config.metrics_address
     if not metrics:  # the default port, or a free one when another worker on this host holds it
         metrics = f"127.0.0.1:{9464 if port_is_free(9464) else free_port()}"
@@ -266,15 +293,21 @@ async def main() -> None:
             interceptors=tracing_interceptors(),
             embedded_services=embedded,
             eager_activities=config.eager_activities,
+            graceful_shutdown=GRACEFUL_SHUTDOWN,
         ):
+            serving = True
             with tuned_gc():  # once started, so what the worker made at start-up is frozen too
-                await asyncio.Event().wait()
+                await stop.wait()
+            log.info("worker.stopping", signal=received[0], graceful_shutdown_s=GRACEFUL_SHUTDOWN.total_seconds())
+    log.info("worker.stopped", signal=received[0])
 
 
 def run() -> None:
     """Run the worker; a missing service or a bad variable exits with its message, not a traceback."""
     try:
         asyncio.run(main())
+    except asyncio.CancelledError:  # stopped by a signal while it was starting
+        return
     except (EmbeddedUnavailable, SettingsError) as exc:
         sys.stderr.write(f"ctxengine worker: {exc}\n")
         raise SystemExit(2) from None

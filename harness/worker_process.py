@@ -34,7 +34,8 @@ _TRANSIENT = frozenset({RPCStatusCode.CANCELLED, RPCStatusCode.UNAVAILABLE, RPCS
 
 
 class WorkerProcess:
-    """One `python worker.py` child: `await start(client)`, `kill()` (SIGKILL), `log_tail()`."""
+    """One `python worker.py` child: `await start(client)`, `kill()` (SIGKILL), `terminate()` (SIGTERM),
+    `log_tail()`."""
 
     def __init__(
         self,
@@ -154,6 +155,14 @@ class WorkerProcess:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, as a container runtime or systemd stops a service (a graceful shutdown); the exit code."""
+        assert self.proc is not None, "start() has not run"
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
 
     def log_tail(self) -> str:
         try:

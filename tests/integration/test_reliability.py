@@ -219,6 +219,37 @@ async def test_worker_sigkill_mid_turn(
         await assert_state(handle, turns=3, requests=3 + bool(crash.tools), prefix=prefix)
 
 
+async def test_worker_sigterm_mid_model_call_lets_it_finish(
+    temporal_client: Client, temporal_address: str, pg_dsn: str, task_queue: str, tmp_path: Path
+) -> None:
+    """SIGTERM (a container stop) while the worker's model call runs: the worker stops polling, lets the call
+    finish, exits 0, and a fresh worker goes on with the turn: the call is not run again."""
+    spawn = functools.partial(
+        worker_process,
+        temporal_client,
+        temporal_address=temporal_address,
+        dsn=pg_dsn,
+        task_queue=task_queue,
+        home=tmp_path,
+    )
+    async with contextlib.AsyncExitStack() as exits:
+        first = await exits.enter_async_context(spawn(name="first"))
+        handle = await start(temporal_client, task_queue, session_open(timeouts=CRASH))
+        await turn(handle, "hello before the stop", update_id="turn-1")
+        pending = asyncio.create_task(turn(handle, "think slowly about this\n/sleep 3", update_id="turn-2"))
+        exits.callback(pending.cancel)
+        scheduled_id = await _running_on(handle, names.ACTIVITY_MODEL, 2, first)
+        code = await asyncio.to_thread(first.terminate)
+        assert code == 0, first.log_tail()
+        assert "worker.stopped" in first.log_tail()
+        await exits.enter_async_context(spawn(name="second"))
+        during = await asyncio.wait_for(pending, timeout=60)
+        assert during.text.startswith("Noted: think slowly")
+        assert _attempt(await _events(handle), scheduled_id) == 1
+        async with Store.from_dsn(pg_dsn, max_size=2) as store:
+            await assert_log(store, handle.id, expected_items(1, "turn-1", 0) + expected_items(2, "turn-2", 0))
+
+
 # ---------------------------------------------------------------------- 2. PostgreSQL restarted mid-session
 
 
