@@ -269,7 +269,9 @@ class CtxEngineClient:
     async def start_session(
         self, open_: SessionOpen, *, session_id: str | None = None, wait_open: bool = True, timeout: float = 30.0
     ) -> Session:
-        """Start a session. A used id is refused (SessionIdTaken), whether its session is running or ended.
+        """Start a session. A used id is refused (SessionIdTaken), whether its session is running or ended; an id
+        whose start failed before the session opened (PrefixOverflow, an invalid budget) may be used again
+        (docs/contract.md, "Ids and idempotency").
 
         With `wait_open`, returns once the prefix is open, so an open that fails (PrefixOverflow, an invalid
         budget) raises here rather than at the first turn.
@@ -281,7 +283,7 @@ class CtxEngineClient:
                 open_,
                 id=sid,
                 task_queue=self.task_queue,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 static_summary=f"ctxengine session {sid}",
             )

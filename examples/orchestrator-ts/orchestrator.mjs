@@ -58,7 +58,8 @@ async function main() {
     const handle = await client.workflow.start('SessionWorkflow', {
       taskQueue,
       workflowId: sessionId, // the session id: one session forever
-      workflowIdReusePolicy: WorkflowIdReusePolicy.REJECT_DUPLICATE,
+      // A used id is refused, running or ended; an id whose start failed before the session opened may be reused.
+      workflowIdReusePolicy: WorkflowIdReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
       args: [open],
     });
 

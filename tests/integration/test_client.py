@@ -18,6 +18,7 @@ from contract import names
 from contract.payloads import ChildRunInput, ChildRunResult, GrantTool, RevokeTool
 from ctxengine.client import (
     CtxEngineClient,
+    PrefixOverflow,
     SessionIdTaken,
     SessionNotClosed,
     SessionNotOpen,
@@ -111,6 +112,21 @@ async def test_idempotent_turn_across_continue_as_new(temporal_client: Client, p
         assert (await s.state()).turns == 3
         with pytest.raises(SessionIdTaken):
             await ctx.start_session(session_open(), session_id=s.session_id)
+
+
+async def test_a_failed_start_s_id_may_be_used_again(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A start that fails at open (a prefix over its cap) raises PrefixOverflow; the same id then starts a session
+    with a fixed open, and once that one is closed the id is refused."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        sid = f"retry-{task_queue}"
+        with pytest.raises(PrefixOverflow):
+            await ctx.start_session(session_open(agent_instructions="word " * 6_000), session_id=sid)
+        s = await ctx.start_session(session_open(agent_instructions="FIXED"), session_id=sid)
+        assert (await s.submit_turn("hello")).turn == 1
+        await s.close()
+        with pytest.raises(SessionIdTaken):
+            await ctx.start_session(session_open(), session_id=sid)
 
 
 async def test_revoke_regrant_and_call(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
