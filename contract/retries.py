@@ -12,6 +12,9 @@ from __future__ import annotations
 ACTIVITY_MAX_ATTEMPTS = 40
 # A model call may cost a provider call per attempt and up to `timeouts.model_seconds` each.
 MODEL_MAX_ATTEMPTS = 4
+# Sealing a failed turn (error results for its unanswered calls): the turn has failed already, and the next
+# turn's build seals what this cannot, so a database outage adds ~0.6 s to the failure, not another ~75 s.
+SEAL_MAX_ATTEMPTS = 3
 # So a model call spends no attempt on a database outage: within one attempt it waits for PostgreSQL, before the
 # provider call and after the reply (which is then stored, not thrown away), as long as the other activities'
 # 40 attempts do (~75 s) and its attempt has time left (activities/model_call.py).

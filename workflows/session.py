@@ -51,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
     from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
 
 from workflows.child_run import ChildRunWorkflow
-from workflows.turn import RETRY, TurnRunner
+from workflows.turn import RETRY, SEAL_RETRY, TurnRunner
 
 RECENT_UPDATES = 32  # turn results remembered, by update id, across continue-as-new
 SA_TURNS_EVERY = 10
@@ -62,6 +62,7 @@ SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
 PATCH_FAILED_TURN = "failed-turn-sealed"
 PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
 PATCH_CLOSE_ONCE = "close-once"
+PATCH_SEAL_BRIEFLY = "seal-failed-turn-briefly"  # a failed turn is sealed with SEAL_RETRY, not RETRY
 # The start input's default when a client sends none: a payload without an encoding (see `_start_input`).
 NO_START_INPUT = RawValue(Payload())
 
@@ -242,7 +243,7 @@ class SessionWorkflow:
                 ),
                 start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
                 heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
-                retry_policy=RETRY,
+                retry_policy=SEAL_RETRY if workflow.patched(PATCH_SEAL_BRIEFLY) else RETRY,
                 summary=f"seal failed turn {turn}",
             )
         except ActivityError:

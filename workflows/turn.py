@@ -52,6 +52,15 @@ MODEL_RETRY = RetryPolicy(
     maximum_attempts=retries.MODEL_MAX_ATTEMPTS,
     non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
 )
+# Sealing a failed turn's unanswered calls: a few quick attempts, not the 75 s of `RETRY` (the turn has already
+# failed, often because PostgreSQL is down, and the next turn's build seals what this could not).
+SEAL_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
+    maximum_attempts=retries.SEAL_MAX_ATTEMPTS,
+    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
+)
 
 # (turn, user_item_id, call_index) -> the result of the rest of the turn, run in a child with a fresh body.
 Escalate = Callable[[int, str, int], Awaitable[TurnResult]]

@@ -18,7 +18,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, Work
 from temporalio.common import RawValue
 
 from activities.store import Store
-from contract import bounds, names
+from contract import bounds, names, retries
 from contract.payloads import ActivityTimeouts, CloseSession, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
@@ -169,6 +169,14 @@ async def test_slow_model_fails_the_turn_not_the_session(temporal_client: Client
         # The failed turn left nothing half-written: its message, no reply from a late attempt.
         kinds = [r.payload["kind"] for r in await store.load_items(handle.id)]
         assert kinds == ["user_message", "user_message", "assistant_message"]
+        # The failed turn was sealed with a few quick attempts, not another 75 s of them (the next build seals
+        # what it could not).
+        seals = [
+            e.activity_task_scheduled_event_attributes
+            async for e in handle.fetch_history_events()
+            if e.activity_task_scheduled_event_attributes.activity_type.name == names.ACTIVITY_SEAL_TURN
+        ]
+        assert [a.retry_policy.maximum_attempts for a in seals] == [retries.SEAL_MAX_ATTEMPTS]
         await _update(handle, names.UPDATE_CLOSE_SESSION, CloseSession())
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+from pathlib import Path
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
@@ -222,3 +224,33 @@ async def test_a_session_without_a_model_route(temporal_client: Client, pg_dsn: 
         assert (await turn(handle, "hello")).turn == 1
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.model_route == ModelRoute(provider="scripted", model="scripted-1")
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# Each update's example input, in an order a session accepts them all (the memory written is then deleted).
+EXAMPLE_UPDATES = [
+    (names.UPDATE_SUBMIT_TURN, "submit_turn.json"),
+    (names.UPDATE_REVOKE_TOOL, "revoke_tool.json"),
+    (names.UPDATE_GRANT_TOOL, "grant_tool.json"),
+    (names.UPDATE_WORKING_STATE, "update_working_state.json"),
+    (names.UPDATE_WRITE_MEMORY, "write_memory.json"),
+    (names.UPDATE_DELETE_MEMORY, "delete_memory.json"),
+    (names.UPDATE_ROTATE_EPOCH, "rotate_epoch.json"),
+    (names.UPDATE_CLOSE_SESSION, "close_session.json"),
+]
+
+
+async def test_every_example_input_is_accepted(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """The inputs in examples/ work as shipped: the start input opens a session, and each update's example,
+    sent as its JSON, is accepted in turn (every examples/*.json is one of them)."""
+    shipped = {p.name for p in EXAMPLES.glob("*.json")}
+    assert shipped == {"session_open.json"} | {f for _, f in EXAMPLE_UPDATES}
+    async with stack(temporal_client, pg_dsn, task_queue):
+        open_ = SessionOpen.model_validate_json((EXAMPLES / "session_open.json").read_text())
+        handle = await start(temporal_client, task_queue, open_)
+        for update, file in EXAMPLE_UPDATES:
+            try:
+                await asyncio.wait_for(handle.execute_update(update, json.loads((EXAMPLES / file).read_text())), 60)
+            except WorkflowUpdateFailedError as exc:
+                raise AssertionError(f"{file} was refused: {exc.cause}") from exc
+        await asyncio.wait_for(handle.result(), 60)
