@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -250,25 +250,40 @@ def replay(
     """Rebuild every recorded request of a session under other settings (never writes to the session)."""
     import asyncio
 
+    import pydantic
     import yaml
 
     from activities.rebuild import Overrides, rebuild_session
     from activities.tokens import TiktokenCounter
+    from core.budget import ContextBudget
     from ctxengine.operator_tools import ConfigError, parse_route
     from services.stack import services
 
+    def refuse(message: str) -> NoReturn:
+        """A setting that cannot be used: named, exit 2 (1 means a replay that did not reproduce)."""
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(2)
+
     changes: dict[str, Any] = {}
     if budget is not None:
-        changes.update(yaml.safe_load(budget.read_text()) or {})
+        try:
+            loaded = yaml.safe_load(budget.read_text())
+        except (OSError, UnicodeError, yaml.YAMLError) as exc:
+            refuse(f"--budget {budget}: {exc}")
+        if not isinstance(loaded, dict | None):
+            refuse(f"--budget {budget}: expected a mapping of ContextBudget fields, got {type(loaded).__name__}")
+        changes.update(loaded or {})
     if window is not None:
         changes["context_window"] = window
     if output_reserve is not None:
         changes["output_reserve"] = output_reserve
+    if unknown := sorted(set(changes) - set(ContextBudget.model_fields)):
+        known = ", ".join(ContextBudget.model_fields)
+        refuse(f"unknown budget field(s): {', '.join(map(str, unknown))} (ContextBudget has {known})")
     try:
         profile = parse_route(model).profile() if model else None
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        refuse(str(exc))
     overrides = Overrides(budget=changes, profile=profile)
     counters: dict[str, TiktokenCounter] = {}
 
@@ -283,6 +298,8 @@ def replay(
     except LookupError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
+    except pydantic.ValidationError as exc:  # the overrides and a recorded budget make no valid budget
+        refuse(f"the overrides do not make a valid budget: {'; '.join(e['msg'] for e in exc.errors())}")
     first_compaction = next((r for r in rows if r.status == "needs_compaction"), None)
     report = {
         "session_id": session_id,

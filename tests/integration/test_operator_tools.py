@@ -83,10 +83,10 @@ class TestValidate:
 
 @pytest.mark.integration
 async def test_replay_reproduces_and_halving_needs_compaction(
-    temporal_client: Client, pg_dsn: str, task_queue: str, monkeypatch: pytest.MonkeyPatch
+    temporal_client: Client, pg_dsn: str, task_queue: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """With no changed setting replay reproduces every recorded request; with the window halved it says where
-    compaction would first be needed."""
+    compaction would first be needed; settings it cannot use are refused, named, exit 2."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         handle = await start(
             temporal_client, task_queue, session_open(budget={"context_window": 9_000, "output_reserve": 1_000})
@@ -106,6 +106,19 @@ async def test_replay_reproduces_and_halving_needs_compaction(
     assert halved["first_compaction_needed"] is not None
     assert halved["first_compaction_needed"]["turn"] > 1
     assert halved["prefix_hashes_differ"] == 0
+    # Settings that cannot be used are refused in one line, exit 2, before or after reading the session.
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("bogus: 1\n")
+    for args, says in (
+        (["--window", "900"], "output_reserve"),  # under the recorded 1,000-token reserve
+        (["--budget", str(bad_yaml)], "unknown budget field(s): bogus"),
+        (["--budget", str(tmp_path / "missing.yaml")], "missing.yaml"),
+        (["--model", "bogus/x"], "bogus"),
+    ):
+        refused = await asyncio.to_thread(runner.invoke, app, ["replay", handle.id, *args, "--json"])
+        assert refused.exit_code == 2, (args, refused.output)
+        assert refused.stderr.startswith("error: ") and says in refused.stderr, (args, refused.stderr)
+        assert "Traceback" not in refused.output
 
 
 class TestValidateFloor:
