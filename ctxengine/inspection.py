@@ -80,14 +80,14 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
 def print_inspection(view: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     console.print(
-        f"[bold]{view['session_id']}[/bold] turn {view['turn']}.{view['call_index']} epoch {view['epoch']} "
+        f"[bold]{view['session_id']}[/bold] turn {view['turn']} model call {view['call_index']} epoch {view['epoch']} "
         f"prefix {view['prefix_sha256'][:16]} status {view['status']}"
     )
     console.print(
         f"estimate {view['estimated_tokens']:,} / limit {view['input_limit']:,}; actual "
         f"{view['actual_input_tokens'] or 0:,} (cached {view['cached_tokens'] or 0:,}); session cache efficiency "
         f"{view['session_cache_efficiency']:.1%}; "
-        f"distinct prefix hashes in epoch {view['distinct_prefix_hashes_in_epoch']}"
+        f"prefix hashes in this epoch: {view['distinct_prefix_hashes_in_epoch']} (1 means byte-stable)"
     )
     classes = Table(title="tokens by class")
     classes.add_column("class")
