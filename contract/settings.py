@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.names import TASK_QUEUE
@@ -42,6 +43,34 @@ class Settings(BaseSettings):
         default=None, validation_alias="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
     )
     otel_service_name: str | None = Field(default=None, validation_alias="OTEL_SERVICE_NAME")
+
+    @field_validator("temporal_address")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            _host_port(value)
+        return value
+
+    @field_validator("metrics_address")
+    @classmethod
+    def _metrics(cls, value: str) -> str:
+        if value not in ("", "off"):
+            _host_port(value)
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("postgresql", "postgres"):
+            raise ValueError(f"{value!r} is not a PostgreSQL URL (postgresql://user@host:port/database)")
+        return value
+
+
+def _host_port(value: str) -> None:
+    """Refuse what is not `host:port` (an IPv6 host in brackets), with a port from 1 to 65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65_536:
+        raise ValueError(f"{value!r} is not host:port")
 
 
 class SettingsError(ValueError):
