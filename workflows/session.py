@@ -67,6 +67,13 @@ PATCH_SEAL_BRIEFLY = "seal-failed-turn-briefly"  # a failed turn is sealed with 
 NO_START_INPUT = RawValue(Payload())
 
 
+def _refused(message: str) -> ApplicationError:
+    """A validator's refusal of input that is malformed or does not apply to the session: typed as the contract
+    says (`ValueError`) and non-retryable, since the same input gets the same answer. (The one retryable refusal,
+    a run about to continue as new, stays a plain `ValueError`.)"""
+    return ApplicationError(message, type="ValueError", non_retryable=True)
+
+
 def _update_failure(exc: ActivityError) -> ApplicationError:
     """An activity's typed failure as the update's own, so a caller sees its type and message first-hand."""
     cause = exc.cause if isinstance(exc.cause, ApplicationError) else None
@@ -184,7 +191,7 @@ class SessionWorkflow:
         self._validate_open()
         self._validate_room()
         if not turn.text.strip():
-            raise ValueError("submit_turn: text must not be blank")
+            raise _refused("submit_turn: text must not be blank")
 
     async def _turn(self, turn: int, text: str, update_id: str) -> TurnResult:
         if workflow.info().get_current_history_length() >= bounds.HISTORY_TURN_IN_CHILD and workflow.patched(
@@ -306,11 +313,11 @@ class SessionWorkflow:
     def _validate_revoke(self, req: RevokeTool) -> None:
         self._validate_open()
         if self.ready and req.name not in self.state.pinned_tools:
-            raise ValueError(
+            raise _refused(
                 f"revoke_tool: {req.name!r} is not in this session's tool set ({', '.join(self.state.pinned_tools)})"
             )
         if req.name == CONTROL_TOOL_NAME:
-            raise ValueError(f"revoke_tool: {CONTROL_TOOL_NAME} is the working-state control tool and stays granted")
+            raise _refused(f"revoke_tool: {CONTROL_TOOL_NAME} is the working-state control tool and stays granted")
 
     @workflow.update(name=names.UPDATE_GRANT_TOOL)
     async def grant_tool(self, req: GrantTool) -> SessionState:
@@ -449,12 +456,12 @@ class SessionWorkflow:
     def _validate_rotate(self, req: RotateEpoch) -> None:
         self._validate_open()
         if req.reason == "model_route_changed" and req.model_route is None:
-            raise ValueError("rotate_epoch: reason model_route_changed needs model_route")
+            raise _refused("rotate_epoch: reason model_route_changed needs model_route")
         if req.reason == "forced_revocation" and not req.revoke_tools:
-            raise ValueError("rotate_epoch: reason forced_revocation needs revoke_tools")
+            raise _refused("rotate_epoch: reason forced_revocation needs revoke_tools")
         unknown = [n for n in req.revoke_tools if self.ready and n not in self.state.pinned_tools]
         if unknown:
-            raise ValueError(f"rotate_epoch: not in this session's tool set: {', '.join(unknown)}")
+            raise _refused(f"rotate_epoch: not in this session's tool set: {', '.join(unknown)}")
 
     @workflow.update(name=names.UPDATE_WRITE_MEMORY)
     async def write_memory(self, req: WriteMemory) -> MemoryResult:
@@ -491,7 +498,7 @@ class SessionWorkflow:
         self._validate_open()
         self._validate_room()
         if not req.text.strip():
-            raise ValueError("write_memory: text must not be blank")
+            raise _refused("write_memory: text must not be blank")
 
     @workflow.update(name=names.UPDATE_CLOSE_SESSION)
     async def close_session(self, req: CloseSession) -> SessionState:
@@ -535,16 +542,18 @@ class SessionWorkflow:
     @close_session.validator
     def _validate_close(self, req: CloseSession) -> None:
         if self.closing or self.state.status == "closed":
-            raise ValueError("close_session: the session is already closed")
+            raise _refused("close_session: the session is already closed")
         if self.state.status == "failed":
-            raise ValueError("close_session: the session failed to open")
+            raise _refused("close_session: the session failed to open")
 
     def _validate_open(self) -> None:
         # Typed, so a caller tells "start a new session" from malformed input (docs/contract.md).
         if self.closing or self.state.status == "closed":
-            raise ApplicationError("the session is closed; start a new session", type="SessionNotOpen")
+            raise ApplicationError(
+                "the session is closed; start a new session", type="SessionNotOpen", non_retryable=True
+            )
         if self.state.status == "failed":
-            raise ApplicationError("the session failed to open", type="SessionNotOpen")
+            raise ApplicationError("the session failed to open", type="SessionNotOpen", non_retryable=True)
 
     def _validate_room(self) -> None:
         """Refused while the run's history is long and waits to continue as new (contract/bounds.py)."""

@@ -107,9 +107,13 @@ async def test_malformed_updates_are_rejected(temporal_client: Client, pg_dsn: s
         with pytest.raises(WorkflowUpdateFailedError) as info:
             await turn(handle, "   ")
         assert "blank" in str(info.value.cause)
+        # Typed as the contract says, and non-retryable: the same input gets the same answer.
+        assert isinstance(info.value.cause, ApplicationError) and info.value.cause.type == "ValueError"
+        assert info.value.cause.non_retryable
         with pytest.raises(WorkflowUpdateFailedError) as info:
             await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="nope"))
         assert "not in this session's tool set" in str(info.value.cause)
+        assert isinstance(info.value.cause, ApplicationError) and info.value.cause.non_retryable
         count = len(await store.load_items(handle.id))
         assert (await turn(handle, "second")).turn == 2
         assert len(await store.load_items(handle.id)) == count + 2
