@@ -27,6 +27,7 @@ from core.items import (
 
 MAX_SUMMARY_DEPTH = 2
 MAX_ESCALATION_POINTERS = 20
+MAX_ESCALATION_REFS = 4  # checkpoints an escalation's summary names; it counts the earlier ones
 # Trust levels whose text a summarizer may read, when untainted. Anything else is elided to a pointer.
 SUMMARIZABLE = frozenset({TrustLevel.PLATFORM, TrustLevel.OPERATOR, TrustLevel.USER, TrustLevel.MODEL, TrustLevel.TOOL})
 # Room left in a chunk for the envelope around a cut piece (opener, closer, attributes).
@@ -119,7 +120,13 @@ def escalation_checkpoint(
     pointers = [*current.pointers, *elide_runs(span, count)]
     # A fresh body stays small: the newest pointers only; older ones stay listed in the ancestors.
     pointers = pointers[-MAX_ESCALATION_POINTERS:]
-    refs = ", ".join(f"checkpoint:{a}" for a in ancestors)
+    # The newest checkpoints by name, the earlier ones by count (each names its parent): the fresh body must not
+    # grow with the session, or a long one on a small window ends with no room for a turn.
+    named = list(ancestors)[-MAX_ESCALATION_REFS:]
+    earlier = len(ancestors) - len(named)
+    refs = (f"{earlier} earlier checkpoints (each names its parent), " if earlier else "") + ", ".join(
+        f"checkpoint:{a}" for a in named
+    )
     tail = f"; items {span[0].seq}..{span[-1].seq} by item:ID" if span else ""
     summary = (
         f"Earlier context was summarized {MAX_SUMMARY_DEPTH} times and is not repeated here. "

@@ -15,6 +15,8 @@ with workflow.unsafe.imports_passed_through():
 
 from workflows.turn import TurnRunner
 
+PATCH_CHILD_COMPACTION_SCOPE = "child-compaction-scope"
+
 
 @workflow.defn(name=names.WORKFLOW_CHILD_RUN)
 class ChildRunWorkflow:
@@ -25,7 +27,10 @@ class ChildRunWorkflow:
 
     @workflow.run
     async def run(self, inp: ChildRunInput) -> ChildRunResult:
-        runner = TurnRunner(inp.open, self.state, escalate=None)
+        # Its compactions are numbered in its own scope (the escalation's number, unique in the session): if it
+        # fails, the session does not adopt its state, and its next compaction must not reuse a number used here.
+        scope = f"-e{inp.state.metrics.escalations}" if workflow.patched(PATCH_CHILD_COMPACTION_SCOPE) else ""
+        runner = TurnRunner(inp.open, self.state, escalate=None, compaction_scope=scope)
         result = await runner.run(
             inp.turn, text=inp.text, update_id=inp.update_id, user_item_id=inp.user_item_id, first_call=inp.call_index
         )

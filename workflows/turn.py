@@ -67,10 +67,16 @@ Escalate = Callable[[int, str, int], Awaitable[TurnResult]]
 
 
 class TurnRunner:
-    def __init__(self, open_: SessionOpen, state: SessionState, escalate: Escalate | None) -> None:
+    def __init__(
+        self, open_: SessionOpen, state: SessionState, escalate: Escalate | None, compaction_scope: str = ""
+    ) -> None:
+        """`compaction_scope`: what this runner's compactions add to their number in their checkpoint and workflow
+        ids. A child run's own (`ChildRunWorkflow`), so that a child that fails, whose state the session never
+        adopts, leaves no id the session's next compaction would take again (and find its stored plan)."""
         self.open = open_
         self.state = state
         self.escalate = escalate
+        self.compaction_scope = compaction_scope
 
     async def run(
         self,
@@ -214,7 +220,7 @@ class TurnRunner:
 
     async def _compact(self, turn: int, keep_from_seq: int) -> CompactionOutcome:
         self.state.compaction_runs += 1  # counted before the child starts: a retry never reuses a number
-        number = self.state.compaction_runs
+        number = f"{self.state.compaction_runs}{self.compaction_scope}"
         checkpoint_id = f"cp-{number}"
         outcome: CompactionOutcome = await workflow.execute_child_workflow(
             CompactionWorkflow.run,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from core.budget import ContextBudget
 from core.build import BodyInputs, build
-from core.compaction import Checkpoint, CompactionDecision, apply_checkpoint, plan_compaction
+from core.compaction import Checkpoint, CompactionDecision, apply_checkpoint, escalation_checkpoint, plan_compaction
 from core.items import ToolCall, ToolResult, TrustLevel
 from core.validation import find_orphans
 from tests.unit import factories as f
@@ -158,3 +158,20 @@ class TestNothingLeftOutsideTheActiveTurn:
             hist, current=cp, keep_from_seq=cp.covers_to_seq + 1, count=count, chunk_tokens=800, secret=f.SECRET
         )
         assert again.decision is CompactionDecision.NOTHING_TO_COMPACT
+
+    def test_an_escalation_s_summary_does_not_grow_with_the_session(self) -> None:
+        """The fresh body names the newest checkpoints and counts the earlier ones: after 200 checkpoints its
+        summary is as long as after 5 (a long session on a small window keeps room for its turns)."""
+        hist = _history()
+        first = plan_compaction(hist, current=None, keep_from_seq=15, count=count, chunk_tokens=800, secret=f.SECRET)
+        cp = _checkpoint(first)
+
+        def summary_tokens(checkpoints: int) -> int:
+            ancestors = [f"cp-{n}" for n in range(1, checkpoints + 1)]
+            fresh = escalation_checkpoint(
+                hist, current=cp, keep_from_seq=15, checkpoint_id="cp-next", ancestors=ancestors, count=count
+            )
+            return count(fresh.summary)
+
+        assert summary_tokens(200) <= summary_tokens(5) + 2
+        assert summary_tokens(3) < summary_tokens(5)  # the newest are named
