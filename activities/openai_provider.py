@@ -369,7 +369,10 @@ def render_chat_request(request: ProviderRequest) -> tuple[dict[str, Any], ToolN
                 last.setdefault("tool_calls", []).append(
                     sorted_json(
                         {
-                            "function": {"arguments": json.dumps(arguments, sort_keys=True), "name": names.wire(tool)},
+                            "function": {
+                                "arguments": json.dumps(arguments, sort_keys=True, ensure_ascii=False),
+                                "name": names.wire(tool),
+                            },
                             "id": call_id,
                             "type": "function",
                         }

@@ -278,7 +278,7 @@ async def drive(session: Session, queue_tool_call: Callable[[str, str, dict[str,
         working_state="constraints: budget under 500 EUR",
         corrections=("The user moved to Oslo.",),
     )
-    queue_tool_call("call_save_1", "notes__save", {"text": "pack a raincoat"})
+    queue_tool_call("call_save_1", "notes__save", {"text": "pack a raincoat for Ålesund"})
     await session.turn_("Note: pack a raincoat.", recall=("The user is vegetarian.",))
     await session.turn_("Thanks!")
 
@@ -349,7 +349,7 @@ class TestOpenAIWire:
         calls = [c for s in session.sent for c in s.reply.tool_calls]
         assert [(c.call_id, c.name, c.arguments) for c in calls] == [
             ("call_fetch_1", "web.fetch", {"url": "https://example.com/weather"}),
-            ("call_save_1", "notes.save", {"text": "pack a raincoat"}),
+            ("call_save_1", "notes.save", {"text": "pack a raincoat for Ålesund"}),
         ]
         messages = openai_srv.requests[2].body["messages"]  # turn 2, after the fetch
         assistant = next(m for m in messages if m.get("tool_calls"))
@@ -362,6 +362,15 @@ class TestOpenAIWire:
         ]
         tool = messages[messages.index(assistant) + 1]
         assert tool["role"] == "tool" and tool["tool_call_id"] == "call_fetch_1"
+        # Arguments go back as written (the engine counts them so): no \uXXXX for a non-ASCII character.
+        saved = next(
+            c
+            for m in openai_srv.requests[-1].body["messages"]
+            for c in m.get("tool_calls", [])
+            if c["id"] == "call_save_1"
+        )
+        assert saved["function"]["arguments"] == '{"text": "pack a raincoat for Ålesund"}'
+
         envelope = parse_envelopes(tool["content"])[0]
         assert envelope.trust == "EXTERNAL_UNTRUSTED" and envelope.content == INJECTION
 
@@ -487,7 +496,7 @@ class TestAnthropicWire:
         uses = [(i, b) for i, m in enumerate(messages) for b in m["content"] if b["type"] == "tool_use"]
         assert [(b["id"], b["name"], b["input"]) for _, b in uses] == [
             ("call_fetch_1", "web__fetch", {"url": "https://example.com/weather"}),
-            ("call_save_1", "notes__save", {"text": "pack a raincoat"}),
+            ("call_save_1", "notes__save", {"text": "pack a raincoat for Ålesund"}),
         ]
         for index, use in uses:
             answer = messages[index + 1]["content"]
