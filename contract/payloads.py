@@ -192,9 +192,11 @@ class SessionOpen(_Input):
 
     def context_budget(self, profile: ModelProfile | None = None) -> ContextBudget:
         """The budget for a route: its window, with this session's overrides on top (validated together, so a
-        small route window with a smaller reserve override is a valid budget)."""
+        small route window with a smaller reserve override is a valid budget). `budget.context_window` may lower
+        the route's window, never raise it: a model takes no more than its window, whatever route the session
+        rotates to."""
         window = (profile or self.route.profile()).context_window
-        return ContextBudget.model_validate({"context_window": window, **self.budget})
+        return ContextBudget.model_validate(_on_route(window, self.budget))
 
     @field_validator("budget", mode="after")
     @classmethod
@@ -204,7 +206,7 @@ class SessionOpen(_Input):
             return budget
         window = (info.data["model_route"] or ModelRoute()).profile().context_window
         try:
-            ContextBudget.model_validate({"context_window": window, **budget})
+            ContextBudget.model_validate(_on_route(window, budget))
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])
@@ -214,6 +216,16 @@ class SessionOpen(_Input):
             msg = str(first["msg"]).removeprefix("Value error, ")
             raise ValueError(f"{field}: {msg} (model_route.context_window {window:,})") from None
         return budget
+
+
+def _on_route(window: int, budget: dict[str, Any]) -> dict[str, Any]:
+    """A route's `window` with the session's budget overrides on top; an override of `context_window` takes the
+    smaller of the two (a larger one would send requests over the model's window)."""
+    merged = {"context_window": window, **budget}
+    override = budget.get("context_window")
+    if isinstance(override, int) and not isinstance(override, bool):
+        merged["context_window"] = min(window, override)
+    return merged
 
 
 class TurnInput(_Input):

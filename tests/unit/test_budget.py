@@ -111,3 +111,19 @@ class TestPrefixNeverYields:
         p = open_prefix(f.prefix_inputs(), budget=ContextBudget(), estimator=f.estimator(), secret=f.SECRET)
         tool_text = "".join(s.text for s in p.segments if s.budget_class is BudgetClass.TOOLS)
         assert p.class_tokens["tools"] == f.COUNTER.count(tool_text) + 3 * 8
+
+
+def test_a_budget_window_lowers_the_route_s_never_raises_it() -> None:
+    """`budget.context_window` over a route's window takes the route's (a model takes no more), also after a
+    rotation to a route with a smaller window; under it, it applies."""
+    from contract.payloads import ModelRoute, SessionOpen
+
+    small = ModelRoute.model_validate({"provider": "openai", "model": "m", "context_window": 4_096})
+    large = ModelRoute.model_validate({"provider": "openai", "model": "m", "context_window": 40_960})
+    open_ = SessionOpen.model_validate(
+        {"agent_instructions": "x", "model_route": large, "budget": {"context_window": 16_000, "output_reserve": 500}}
+    )
+    assert open_.context_budget().context_window == 16_000
+    assert open_.context_budget(small.profile()).context_window == 4_096
+    over = open_.model_copy(update={"model_route": small})
+    assert over.context_budget().input_limit == 4_096 - 500
