@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from temporalio import activity
+
 from activities.assembly import RequestInputs
 from activities.build import BuildActivities
 from activities.model_call import ModelCallActivities
@@ -18,11 +20,12 @@ from activities.rows import ItemRender, TurnReads
 from activities.session import SessionActivities
 from activities.session_state import SessionCache, SessionState
 from activities.tool_calls import ToolCallActivities
+from contract import names
 from contract.payloads import BuildInput, SessionOpen
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, open_prefix
 from core.estimator import TokenEstimator
 from core.items import HistoryItem, TrustLevel
-from core.plan import ContextPlan
+from core.plan import ContextPlan, PlanStatus
 
 
 class TimestampedPrefixBuild(BuildActivities):
@@ -76,6 +79,37 @@ class TaintOff(SessionActivities):
 
     model_call_family: ClassVar[type[ModelCallActivities]] = UntaintedReplies
     tool_call_family: ClassVar[type[ToolCallActivities]] = UntaintedWrites
+
+
+class OverBudgetChildBuild(BuildActivities):
+    """In a child run, every plan says the body needs compaction (as a child body that cannot fit would)."""
+
+    async def _plan(
+        self,
+        inp: BuildInput,
+        open_: SessionOpen,
+        secret: bytes,
+        cache: SessionCache,
+        prefix: FrozenPrefix,
+        estimator: TokenEstimator,
+        user_item_id: str | None,
+        *,
+        reads: TurnReads,
+        message: list[dict[str, Any]],
+    ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
+        plan, ri, body = await super()._plan(
+            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
+        )
+        if activity.info().workflow_type == names.WORKFLOW_CHILD_RUN:
+            plan = plan.model_copy(update={"status": PlanStatus.NEEDS_COMPACTION, "deficit_tokens": 1})
+        return plan, ri, body
+
+
+class FailingChildRuns(SessionActivities):
+    """A child run's body never fits: the child compacts over its fresh body, finds nothing to compact and fails
+    the turn. What the session does next must not depend on what the failed child did (its compactions' ids)."""
+
+    build_family: ClassVar[type[BuildActivities]] = OverBudgetChildBuild
 
 
 class UserTrustRenders(SessionState):

@@ -177,3 +177,38 @@ async def test_failed_compaction_does_not_poison_later_ones(
         assert len(ids) >= 2 and len(set(ids)) == len(ids)
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.compaction_runs >= len(ids) and state.metrics.escalations >= 1
+
+
+async def test_a_failed_child_run_does_not_fail_the_next_turn(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A turn escalates and its child run fails (its body never fits, a harness fault): the next turn compacts
+    under an id of its own (the child's compactions are numbered in the child's scope) and is answered. Numbered
+    in one scope, the session's next compaction took the failed child's number, read its stored 'nothing to
+    compact' plan and failed a turn that fits."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from harness.faults import FailingChildRuns
+
+    async with stack(temporal_client, pg_dsn, task_queue, activities_class=FailingChildRuns) as store:
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+        escalated = None
+        for i in range(120):
+            text = f"turn {i}: look this up\n/call web.fetch {json.dumps({'url': f'fixture://marker/{i}'})}"
+            try:
+                await turn(handle, text)
+            except WorkflowUpdateFailedError as exc:
+                escalated = exc.cause
+                break
+        assert escalated is not None and "nothing left to compact" in str(escalated), escalated
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.metrics.escalations == 1
+        # A turn that fits only once compacted: the session compacts (the failed turn's message is new to it).
+        after = await turn(handle, "and now this: " + "context " * 1_500)
+        assert after.plan.status.value == "fits"
+        plans = await store.pool.fetch(
+            "SELECT checkpoint_id, plan->>'decision' AS decision FROM compaction_plans WHERE session_id = $1",
+            handle.id,
+        )
+        assert len({p["checkpoint_id"] for p in plans}) == len(plans)
+        assert [p["decision"] for p in plans if "-e" in p["checkpoint_id"]] == ["nothing_to_compact"]
