@@ -11,6 +11,7 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.minimum_body import working_state_cap
 from activities.session_state import SessionState, snapshot_ids, working_state
 from contract import names
 from contract.activity_interfaces import MemoryCalls
@@ -96,8 +97,10 @@ class MemoryActivities(MemoryCalls):
         key = f"runtime:{inp.update_id}"
         if not await store.has_working_state_write(inp.session_id, key):
             open_, secret, cache = await state.session(inp.session_id)
-            _, profile = await state.prefix(inp.session_id, inp.epoch, cache)
+            prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
             estimator = TokenEstimator(await state.profile(profile), state.counter(profile.encoding))
+            budget = open_.context_budget(profile)
+            cap = await working_state_cap(state, inp.session_id, open_.memory_scope, prefix, estimator, budget, secret)
             ws = working_state(await store.working_state_writes(inp.session_id), estimator.counter.count, inp.turn + 1)
 
             def attempt(update: WorkingStateUpdate) -> None:
@@ -106,7 +109,7 @@ class MemoryActivities(MemoryCalls):
                     update,
                     writer="runtime",
                     count=lambda text: measure_working_state(text, estimator=estimator, secret=secret),
-                    token_cap=open_.context_budget(profile).working_state_tokens,
+                    token_cap=cap,
                 )
 
             try:

@@ -16,13 +16,18 @@ from activities.session_state import SessionState, snapshot_ids, working_state
 from contract.payloads import OpenInput
 from core.budget import ContextBudget
 from core.build import FrozenPrefix, build
+from core.compaction import MAX_ESCALATION_REFS, Checkpoint, escalation_checkpoint
 from core.errors import RouteDoesNotFitError, TurnTooLargeError
 from core.estimator import ModelProfile, TokenEstimator
 from core.items import UserMessage
+from core.plan import ContextPlan
 from core.working_state import render
 
 # A rotation to another route must leave room for a message of this many tokens beside the minimum body.
 ROUTE_CHECK_MESSAGE_TOKENS = 256
+# What a request's real clock line (its digits tokenize differently from the check's) and the rounding of each
+# class to whole tokens may add to the check's figure.
+ROOM_SLACK_TOKENS = 16
 
 
 async def check_route_fits(
@@ -60,6 +65,56 @@ async def check_route_fits(
         raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
 
 
+async def working_state_cap(
+    state: SessionState,
+    session_id: str,
+    memory_scope: str,
+    prefix: FrozenPrefix,
+    estimator: TokenEstimator,
+    budget: ContextBudget,
+    secret: bytes,
+) -> int:
+    """The tokens a working-state write may leave the block at: the budget's cap, and no more than leaves room
+    for a message of ROUTE_CHECK_MESSAGE_TOKENS beside the prefix, the corrections and the clock (as a rotation
+    must): a block that filled its fixed cap on a small window would leave no turn room to fit."""
+    # Beside the largest checkpoint a turn's body can carry once nothing is left to compact: an escalation's
+    # references (its pointers drop under pressure), with ids and positions as long as a long session's.
+    seq = 10**6
+    stand_in = Checkpoint(
+        checkpoint_id=f"cp-{seq}-e{seq}", depth=2, covers_from_seq=0, covers_to_seq=seq - 1, summary=""
+    )
+    checkpoint = escalation_checkpoint(
+        [],
+        current=stand_in,
+        keep_from_seq=seq,
+        checkpoint_id=stand_in.checkpoint_id,
+        ancestors=[f"cp-{seq + n}-e{seq}" for n in range(MAX_ESCALATION_REFS + 1)],
+        count=estimator.counter.count,
+    )
+    message = UserMessage(id="u:room-check", seq=seq, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+    corrections = await state.store.corrections(memory_scope, snapshot_ids(prefix))
+    try:
+        plan = await _build_minimum(
+            state,
+            session_id,
+            memory_scope,
+            prefix,
+            estimator,
+            budget,
+            secret,
+            message=message,
+            turn=0,
+            upto_turn=0,
+            now_iso="2000-01-01T00:00:00+00:00",
+            read=([], corrections),
+            checkpoint=checkpoint,
+        )
+    except TurnTooLargeError:
+        return 0
+    room = budget.input_limit - plan.estimated_tokens - ROOM_SLACK_TOKENS
+    return max(0, min(budget.working_state_tokens, room))
+
+
 def turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:
     """The typed, non-retryable failure of one turn: type TurnTooLarge, the sizes in its details. `logged`:
     whether the turn's message was already in the log (its tool calls' results did not fit as pointers)."""
@@ -80,7 +135,8 @@ async def _build_minimum(
     upto_turn: int,
     now_iso: str,
     read: tuple[list[dict[str, Any]], list[MemoryRow]] | None = None,
-) -> None:
+    checkpoint: Checkpoint | None = None,
+) -> ContextPlan:
     """Build the request of `message` alone beside the prefix (no history, no recall); raises
     TurnTooLargeError when it does not fit. `read`: the working-state writes and corrections, already read."""
     if read is None:
@@ -92,7 +148,7 @@ async def _build_minimum(
     ri = RequestInputs(
         turn=turn,
         call_index=0,
-        max_seq=0,
+        max_seq=message.seq,
         user_item_id=message.id,
         checkpoint_id=None,
         corrections=[
@@ -104,4 +160,4 @@ async def _build_minimum(
         profile=estimator.profile,
         budget=budget,
     )
-    build(prefix, body_inputs([message], None, ri), budget=budget, estimator=estimator, secret=secret)
+    return build(prefix, body_inputs([message], checkpoint, ri), budget=budget, estimator=estimator, secret=secret)

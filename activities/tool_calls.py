@@ -14,6 +14,7 @@ import jsonschema
 import structlog
 from temporalio import activity
 
+from activities.minimum_body import working_state_cap
 from activities.session_state import SessionState, working_state
 from activities.tools import EXECUTORS, Executor
 from contract import names
@@ -187,8 +188,10 @@ class ToolCallActivities(ToolCalls):
         if await store.has_working_state_write(inp.session_id, inp.call.item_id):
             return "working state updated", TrustLevel.TOOL, False, None  # a retry after the write
         open_, secret, cache = await state.session(inp.session_id)
-        _, profile = await state.prefix(inp.session_id, inp.epoch, cache)
+        prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
         estimator = TokenEstimator(await state.profile(profile), state.counter(profile.encoding))
+        budget = open_.context_budget(profile)
+        cap = await working_state_cap(state, inp.session_id, open_.memory_scope, prefix, estimator, budget, secret)
         writes = await store.working_state_writes(inp.session_id)
         ws = working_state(writes, estimator.counter.count, inp.turn + 1)
         untrusted = tainted  # the call was written with untrusted content in view: so is every entry it adds
@@ -200,7 +203,7 @@ class ToolCallActivities(ToolCalls):
                 writer="model",
                 count=lambda text: measure_working_state(text, estimator=estimator, secret=secret),
                 untrusted_in_context=untrusted,
-                token_cap=open_.context_budget(profile).working_state_tokens,
+                token_cap=cap,
             )
         except ContextError as exc:
             await state.event(

@@ -64,3 +64,28 @@ async def test_rotation_to_a_costlier_route_leaves_the_session_usable(
         for t, calls in enumerate([4, 6, 8, 0]):
             result = await turn(handle, f"turn {t}: after the rotation\n{fetches(calls)}")
             assert result.plan.estimated_tokens <= result.plan.input_limit
+
+
+async def test_the_working_state_leaves_room_for_a_turn(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """On a small window the working state may not grow past what leaves room for a 256-token message beside the
+    prefix (its fixed 1,000-token cap would): a write past it is refused, typed, naming the cap, and a 256-token
+    turn is then answered. Before, the block filled its fixed cap and every such turn was TurnTooLarge."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(
+            temporal_client, task_queue, session_open(budget={"context_window": 3_200, "output_reserve": 400})
+        )
+        await turn(handle, "hello")
+        refused: BaseException | None = None
+        for i in range(40):
+            fact = {"op": "add_fact", "text": f"fact {i}: " + "detail " * 35}
+            try:
+                await handle.execute_update(names.UPDATE_WORKING_STATE, {"operations": [fact]})
+            except WorkflowUpdateFailedError as exc:
+                refused = exc.cause
+                break
+        assert isinstance(refused, ApplicationError) and refused.type == "WorkingStateCapError", refused
+        cap = int(str(refused).split("over its cap of ")[1].split(";")[0].replace(",", ""))
+        assert 0 < cap < 1_000, str(refused)
+        answered = await turn(handle, "word " * 256)
+        assert answered.plan.status.value == "fits"
+        assert answered.plan.tokens_by_class["working_state"] <= cap
