@@ -10,21 +10,15 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from contract import names, retries
+    from contract import names
     from contract.activity_interfaces import CompactionActivityCalls
     from contract.payloads import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
     from core.compaction import CompactionDecision
 
-RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
-    maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
-    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
-)
+from workflows.retry_policies import RETRY
+
 SUMMARIZE_CONCURRENCY = 4
 
 

@@ -51,7 +51,8 @@ with workflow.unsafe.imports_passed_through():
     from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
 
 from workflows.child_run import ChildRunWorkflow
-from workflows.turn import RETRY, SEAL_RETRY, TurnRunner
+from workflows.retry_policies import RETRY, SEAL_RETRY
+from workflows.turn import TurnRunner
 
 RECENT_UPDATES = 32  # turn results remembered, by update id, across continue-as-new
 SA_TURNS_EVERY = 10

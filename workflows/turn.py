@@ -7,11 +7,9 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from contract import retries
     from contract.activity_interfaces import SessionActivityCalls
     from contract.payloads import (
         BuildInput,
@@ -34,33 +32,11 @@ with workflow.unsafe.imports_passed_through():
     from core.working_state import CONTROL_TOOL_NAME
 
 from workflows.compaction import CompactionWorkflow
+from workflows.retry_policies import MODEL_RETRY, RETRY
 
 MAX_MODEL_CALLS_PER_TURN = 8
 MAX_COMPACTIONS_PER_REQUEST = 2
-RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
-    # Bounded, and no retry for data or programming errors (contract/retries.py, docs/reliability.md).
-    maximum_attempts=retries.ACTIVITY_MAX_ATTEMPTS,
-    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
-)
-MODEL_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
-    maximum_attempts=retries.MODEL_MAX_ATTEMPTS,
-    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
-)
-# Sealing a failed turn's unanswered calls: a few quick attempts, not the 75 s of `RETRY` (the turn has already
-# failed, often because PostgreSQL is down, and the next turn's build seals what this could not).
-SEAL_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=retries.MAXIMUM_INTERVAL_S),
-    maximum_attempts=retries.SEAL_MAX_ATTEMPTS,
-    non_retryable_error_types=retries.NON_RETRYABLE_ERROR_TYPES,
-)
+
 
 # (turn, user_item_id, call_index) -> the result of the rest of the turn, run in a child with a fresh body.
 Escalate = Callable[[int, str, int], Awaitable[TurnResult]]

@@ -102,6 +102,13 @@ def _attempt(events: list[HistoryEvent], scheduled_event_id: int) -> int:
     return int(started[0].activity_task_started_event_attributes.attempt)
 
 
+def _spawner(client: Client, address: str, dsn: str, task_queue: str, home: Path) -> Callable[..., Any]:
+    """`worker_process` for this test's Temporal, PostgreSQL and queue: call it with `name=` for each worker."""
+    return functools.partial(
+        worker_process, client, temporal_address=address, dsn=dsn, task_queue=task_queue, home=home
+    )
+
+
 def expected_items(turn_no: int, update_id: str, tool_calls: int) -> list[tuple[int, str, str]]:
     """(turn, item id, kind) of one turn's log, in seq order: the message, the calls, their results, the reply."""
     rows = [(turn_no, f"u:{update_id}", "user_message")]
@@ -172,14 +179,7 @@ async def test_worker_sigkill_mid_turn(
 ) -> None:
     """A worker killed with SIGKILL mid-turn: a fresh worker finishes the turn, each item logged once, one prefix."""
     crash = CRASH_POINTS[point]
-    spawn = functools.partial(
-        worker_process,
-        temporal_client,
-        temporal_address=temporal_address,
-        dsn=pg_dsn,
-        task_queue=task_queue,
-        home=tmp_path,
-    )
+    spawn = _spawner(temporal_client, temporal_address, pg_dsn, task_queue, tmp_path)
     async with contextlib.AsyncExitStack() as exits:
         first = await exits.enter_async_context(spawn(name="first"))
         handle = await start(temporal_client, task_queue, session_open(timeouts=CRASH))
@@ -224,14 +224,7 @@ async def test_worker_sigterm_mid_model_call_lets_it_finish(
 ) -> None:
     """SIGTERM (a container stop) while the worker's model call runs: the worker stops polling, lets the call
     finish, exits 0, and a fresh worker goes on with the turn: the call is not run again."""
-    spawn = functools.partial(
-        worker_process,
-        temporal_client,
-        temporal_address=temporal_address,
-        dsn=pg_dsn,
-        task_queue=task_queue,
-        home=tmp_path,
-    )
+    spawn = _spawner(temporal_client, temporal_address, pg_dsn, task_queue, tmp_path)
     async with contextlib.AsyncExitStack() as exits:
         first = await exits.enter_async_context(spawn(name="first"))
         handle = await start(temporal_client, task_queue, session_open(timeouts=CRASH))
@@ -388,14 +381,7 @@ async def test_two_workers_one_killed_twenty_sessions(
     temporal_client: Client, temporal_address: str, pg_dsn: str, task_queue: str, tmp_path: Path
 ) -> None:
     """Twenty live sessions on two workers; one is SIGKILLed partway and the other finishes every turn."""
-    spawn = functools.partial(
-        worker_process,
-        temporal_client,
-        temporal_address=temporal_address,
-        dsn=pg_dsn,
-        task_queue=task_queue,
-        home=tmp_path,
-    )
+    spawn = _spawner(temporal_client, temporal_address, pg_dsn, task_queue, tmp_path)
     async with contextlib.AsyncExitStack() as exits:
         doomed, survivor = await asyncio.gather(
             exits.enter_async_context(spawn(name="doomed")), exits.enter_async_context(spawn(name="survivor"))
