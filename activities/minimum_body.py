@@ -6,12 +6,9 @@ raises TurnTooLargeError; `turn_too_large` makes it the turn's typed failure).
 
 from __future__ import annotations
 
-from typing import Any
-
 from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
-from activities.rows import MemoryRow
 from activities.session_state import SessionState, snapshot_ids, working_state
 from contract.payloads import OpenInput
 from core.budget import ContextBudget
@@ -28,6 +25,7 @@ ROUTE_CHECK_MESSAGE_TOKENS = 256
 # What a request's real clock line (its digits tokenize differently from the check's) and the rounding of each
 # class to whole tokens may add to the check's figure.
 ROOM_SLACK_TOKENS = 16
+_CHECK_SEQ = 10**6  # the check message's log position: past any checkpoint the check puts before it
 
 
 async def check_route_fits(
@@ -43,21 +41,8 @@ async def check_route_fits(
     previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
     if previous is None or ModelProfile.model_validate(previous.profile).route == estimator.profile.route:
         return
-    message = UserMessage(id="u:route-check", seq=0, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
     try:
-        await _build_minimum(
-            state,
-            inp.session_id,
-            inp.open.memory_scope,
-            prefix,
-            estimator,
-            budget,
-            secret,
-            message=message,
-            turn=0,
-            upto_turn=10**9,
-            now_iso="2000-01-01T00:00:00+00:00",
-        )
+        await _build_minimum(state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret)
     except TurnTooLargeError as exc:
         refused = RouteDoesNotFitError(
             estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
@@ -79,20 +64,21 @@ async def working_state_cap(
     must): a block that filled its fixed cap on a small window would leave no turn room to fit."""
     # Beside the largest checkpoint a turn's body can carry once nothing is left to compact: an escalation's
     # references (its pointers drop under pressure), with ids and positions as long as a long session's.
-    seq = 10**6
     stand_in = Checkpoint(
-        checkpoint_id=f"cp-{seq}-e{seq}", depth=2, covers_from_seq=0, covers_to_seq=seq - 1, summary=""
+        checkpoint_id=f"cp-{_CHECK_SEQ}-e{_CHECK_SEQ}",
+        depth=2,
+        covers_from_seq=0,
+        covers_to_seq=_CHECK_SEQ - 1,
+        summary="",
     )
     checkpoint = escalation_checkpoint(
         [],
         current=stand_in,
-        keep_from_seq=seq,
+        keep_from_seq=_CHECK_SEQ,
         checkpoint_id=stand_in.checkpoint_id,
-        ancestors=[f"cp-{seq + n}-e{seq}" for n in range(MAX_ESCALATION_REFS + 1)],
+        ancestors=[f"cp-{_CHECK_SEQ + n}-e{_CHECK_SEQ}" for n in range(MAX_ESCALATION_REFS + 1)],
         count=estimator.counter.count,
     )
-    message = UserMessage(id="u:room-check", seq=seq, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
-    corrections = await state.store.corrections(memory_scope, snapshot_ids(prefix))
     try:
         plan = await _build_minimum(
             state,
@@ -102,11 +88,7 @@ async def working_state_cap(
             estimator,
             budget,
             secret,
-            message=message,
-            turn=0,
-            upto_turn=0,
-            now_iso="2000-01-01T00:00:00+00:00",
-            read=([], corrections),
+            with_working_state=False,
             checkpoint=checkpoint,
         )
     except TurnTooLargeError:
@@ -130,23 +112,18 @@ async def _build_minimum(
     budget: ContextBudget,
     secret: bytes,
     *,
-    message: UserMessage,
-    turn: int,
-    upto_turn: int,
-    now_iso: str,
-    read: tuple[list[dict[str, Any]], list[MemoryRow]] | None = None,
+    with_working_state: bool = True,
     checkpoint: Checkpoint | None = None,
 ) -> ContextPlan:
-    """Build the request of `message` alone beside the prefix (no history, no recall); raises
-    TurnTooLargeError when it does not fit. `read`: the working-state writes and corrections, already read."""
-    if read is None:
-        writes = await state.store.working_state_writes(session_id)
-        correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
-    else:
-        writes, correction_rows = read
-    ws = working_state(writes, estimator.counter.count, upto_turn)
+    """Build the request of a ROUTE_CHECK_MESSAGE_TOKENS message alone beside the prefix, with the corrections,
+    the clock, the session's working state (unless `with_working_state` is False) and `checkpoint`'s summary (no
+    history, no recall); raises TurnTooLargeError when it does not fit."""
+    message = UserMessage(id="u:route-check", seq=_CHECK_SEQ, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+    writes = await state.store.working_state_writes(session_id) if with_working_state else []
+    correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
+    ws = working_state(writes, estimator.counter.count, 10**9)
     ri = RequestInputs(
-        turn=turn,
+        turn=0,
         call_index=0,
         max_seq=message.seq,
         user_item_id=message.id,
@@ -156,7 +133,7 @@ async def _build_minimum(
             for r in correction_rows
         ],
         working_state=render(ws) if (ws.constraints or ws.tasks or ws.facts or ws.open_questions) else "",
-        now_iso=now_iso,
+        now_iso="2000-01-01T00:00:00+00:00",
         profile=estimator.profile,
         budget=budget,
     )

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -246,24 +246,34 @@ async def test_worker_sigterm_mid_model_call_lets_it_finish(
 # ---------------------------------------------------------------------- 2. PostgreSQL restarted mid-session
 
 
-async def _create_database(server_dsn: str) -> str:
+@contextlib.asynccontextmanager
+async def _database_on(server: EmbeddedPostgres) -> AsyncIterator[str]:
+    """A fresh database on the restartable PostgreSQL (started if stopped), its DSN; on exit the server is
+    running again (a test may have stopped it) and the database is dropped."""
+    server_dsn = await server.start()
     name = f"test_{uuid.uuid4().hex}"
     conn = await asyncpg.connect(server_dsn)
     try:
         await conn.execute(f'CREATE DATABASE "{name}"')
     finally:
         await conn.close()
-    return name
+    try:
+        yield dsn_with_database(server_dsn, name)
+    finally:
+        await server.start()
+        with contextlib.suppress(OSError, asyncpg.PostgresError):
+            conn = await asyncpg.connect(server_dsn, timeout=5)
+            try:
+                await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            finally:
+                await conn.close()
 
 
 async def test_postgres_restart_mid_session(
     temporal_client: Client, pg_restartable: EmbeddedPostgres, task_queue: str
 ) -> None:
     """PostgreSQL stopped during a session: the turn's activities fail and retry, and finish once it is back."""
-    server_dsn = await pg_restartable.start()
-    database = await _create_database(server_dsn)
-    dsn = dsn_with_database(server_dsn, database)
-    try:
+    async with _database_on(pg_restartable) as dsn:
         async with stack(temporal_client, dsn, task_queue) as store:
             handle = await start(temporal_client, task_queue, session_open(timeouts=CRASH))
             before = await turn(handle, "hello before the outage", update_id="turn-1")
@@ -296,14 +306,6 @@ async def test_postgres_restart_mid_session(
             )
             assert {before.prefix_sha256, during.prefix_sha256, after.prefix_sha256} == {prefix}
             await assert_state(handle, turns=3, requests=3, prefix=prefix)
-    finally:
-        await pg_restartable.start()
-        with contextlib.suppress(OSError, asyncpg.PostgresError):
-            conn = await asyncpg.connect(server_dsn, timeout=5)
-            try:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-            finally:
-                await conn.close()
 
 
 class _CountingModel(ScriptedProvider):
@@ -324,11 +326,8 @@ async def test_postgres_restart_during_a_model_call(
     """PostgreSQL stopped while the model answers and back 5 s later (longer than the model call's four attempts
     last when each fails at once): the reply is stored by the same attempt once it is back, the model is asked
     once, and the turn completes."""
-    server_dsn = await pg_restartable.start()
-    database = await _create_database(server_dsn)
-    dsn = dsn_with_database(server_dsn, database)
     model = _CountingModel()
-    try:
+    async with _database_on(pg_restartable) as dsn:
         async with stack(temporal_client, dsn, task_queue, providers={"scripted": model}) as store:
             handle = await start(temporal_client, task_queue, session_open(timeouts=CRASH))
             before = await turn(handle, "hello before the outage", update_id="turn-1")
@@ -361,14 +360,6 @@ async def test_postgres_restart_during_a_model_call(
             prefix = await assert_log(store, handle.id, expected_items(1, "turn-1", 0) + expected_items(2, "turn-2", 0))
             assert {before.prefix_sha256, during.prefix_sha256} == {prefix}
             await assert_state(handle, turns=2, requests=2, prefix=prefix)
-    finally:
-        await pg_restartable.start()
-        with contextlib.suppress(OSError, asyncpg.PostgresError):
-            conn = await asyncpg.connect(server_dsn, timeout=5)
-            try:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-            finally:
-                await conn.close()
 
 
 # ------------------------------------------------------------------- 3. two workers, one killed, 20 sessions
