@@ -17,6 +17,7 @@ from core.budget import ContextBudget
 from core.build import WORKING_STATE_ID, BodyInputs
 from core.compaction import Checkpoint
 from core.estimator import ModelProfile
+from core.history import LoggedHistory
 from core.items import (
     CorrectionLine,
     CurrentUserMessage,
@@ -53,21 +54,25 @@ class RequestInputs(BaseModel):
     budget: ContextBudget
 
 
-def body_inputs(items: Sequence[HistoryItem], checkpoint: Checkpoint | None, ri: RequestInputs) -> BodyInputs:
+def body_inputs(
+    items: LoggedHistory | Sequence[HistoryItem], checkpoint: Checkpoint | None, ri: RequestInputs
+) -> BodyInputs:
     """The builder's Region B inputs for one request (pure). `items`: the session log in log order (by seq), as
-    the store and the memo hold it; only the items up to `ri.max_seq` are the request's. The work is what the
-    active turn holds, not the log's length: slices, and a walk back to the turn's message."""
-    # A slice is a copy, never the caller's list: the builder's memo keeps what it was given, and the memo grows.
-    log = items[: bisect.bisect_right(items, ri.max_seq, key=_seq) if items and items[-1].seq > ri.max_seq else None]
+    the memo holds it (`SessionCache.logged`) or as items; only the items up to `ri.max_seq` are the request's.
+    The work is what the active turn holds, not the log's length: slices, and a walk back to the turn's message."""
+    log = items if isinstance(items, LoggedHistory) else LoggedHistory.of(items)
+    seqs = log.seqs
+    k = bisect.bisect_right(seqs, ri.max_seq) if seqs and seqs[-1] > ri.max_seq else len(seqs)
     at = -1
     if ri.user_item_id:
-        at = next((k for k in range(len(log) - 1, -1, -1) if log[k].id == ri.user_item_id), -1)
-    user = log[at] if at >= 0 else None
-    turn_start = user.seq if user is not None else (log[-1].seq + 1 if log else 0)
+        ids = log.ids
+        at = next((j for j in range(k - 1, -1, -1) if ids[j] == ri.user_item_id), -1)
+    user = log.item(at) if at >= 0 else None
+    turn_start = user.seq if user is not None else (seqs[k - 1] + 1 if k else 0)
     current: CurrentUserMessage | None = None
-    history = log
+    history = log.head(k)
     if ri.call_index == 0 and isinstance(user, UserMessage):
-        history = [*log[:at], *log[at + 1 :]]
+        history = log.without(at, k)
         current = CurrentUserMessage(id=user.id, seq=user.seq, text=user.text)
     # Built from typed values: validating the history again would cost a pass over the whole log per request.
     return BodyInputs.model_construct(

@@ -164,15 +164,15 @@ class BuildActivities(BuildCalls):
         brought up to date from it; `message`: the turn's message, not logged yet, at the next position), and the
         plan the pure builder makes of them."""
         store = self.state.store
-        items = cache.items
-        if message:
-            items = [*items, parse_history_item({**message[0], "seq": cache.max_seq + 1})]
+        turn_message = parse_history_item({**message[0], "seq": cache.max_seq + 1}) if message else None
+        renders = cache.render_for(estimator)
+        logged = cache.logged(renders, estimator, turn_message)
         checkpoint = Checkpoint.model_validate(reads.checkpoint) if reads.checkpoint else None
         ws = working_state(reads.working_state_writes, estimator.counter.count, inp.turn + 1)
         recall_rows = reads.recall
         if recall_rows is None:  # the message was not in this worker's memo before the read: search now
-            user = next((i for i in reversed(items) if i.id == user_item_id), None) if user_item_id else None
-            query = user.body_text() if user is not None else ""
+            at = len(logged.ids) - 1 - logged.ids[::-1].index(user_item_id) if user_item_id in logged.ids else -1
+            query = logged.item(at).body_text() if at >= 0 else ""
             recall_rows = await store.search_memories(
                 open_.memory_scope, query, limit=RECALL_LIMIT, exclude=snapshot_ids(prefix)
             )
@@ -180,7 +180,7 @@ class BuildActivities(BuildCalls):
         ri = RequestInputs(
             turn=inp.turn,
             call_index=inp.call_index,
-            max_seq=items[-1].seq if items else -1,
+            max_seq=logged.seqs[-1] if logged.seqs else -1,
             user_item_id=user_item_id,
             checkpoint_id=checkpoint.checkpoint_id if checkpoint else None,
             recall=[StoredMemory(memory_id=r.memory_id, text=r.text, trust=r.trust) for r in recall_rows],
@@ -194,11 +194,9 @@ class BuildActivities(BuildCalls):
             profile=estimator.profile,
             budget=open_.context_budget(estimator.profile),
         )
-        body = body_inputs(items, checkpoint, ri)
+        body = body_inputs(logged, checkpoint, ri)
         try:
-            plan = build(
-                prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=cache.render_for(estimator)
-            )
+            plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=renders)
         except TurnTooLargeError as exc:
             raise turn_too_large(exc, logged=not message) from exc
         except ContextError as exc:

@@ -208,7 +208,7 @@ async def seal_orphans(
     if cache is None:
         _, _, cache = await state.session(session_id)
         await state.items(session_id, cache)
-    unanswered = sorted(cache.open_calls.values(), key=lambda c: c.seq)
+    unanswered = cache.unanswered_calls()
     if not unanswered:
         return 0
     rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id)}

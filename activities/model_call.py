@@ -211,9 +211,8 @@ class ModelCallActivities(ModelCalls):
         state.joined(new_items, seqs, renders, cache)
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if not logged:  # logged out of the memo's order (another attempt's reply): read the log
-            logged = [
-                i for i in await _store_waiting(lambda: state.items(inp.session_id, cache)) if i.id.startswith(base)
-            ]
+            log = await _store_waiting(lambda: state.items(inp.session_id, cache))
+            logged = [log[k] for k, item_id in enumerate(cache.items.ids) if item_id.startswith(base)]
         if not recorded:  # an earlier attempt recorded its usage first: its figures are the truth
             first = await _store_waiting(lambda: store.get_record(inp.session_id, inp.turn, inp.call_index))
             assert first is not None and first.actual_input_tokens is not None

@@ -6,12 +6,11 @@ write stores beside each item it logs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from core.items import HistoryItem
+from core.items import HistoryItem, parse_history_item
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +49,11 @@ class LoggedItem:
 @dataclass(frozen=True, slots=True)
 class LiveLog:
     """Logged items as a worker's memo reads them (`Store.load_live_items` and the activities' reads), in log
-    order: each item parsed, with what was stored with it when it was logged (`LoggedItem` is one row as JSON).
-    Columns, not an object per row: a worker that has not seen the session reads thousands of them."""
+    order: each item's stored JSON, parsed to a dict (validated when it was logged; the memo makes it an item
+    when a caller looks into it), with what was stored with it when it was logged (`LoggedItem` is one row as
+    JSON). Columns, not an object per row: a worker that has not seen the session reads thousands of them."""
 
-    items: list[HistoryItem] = field(default_factory=list)
+    payloads: list[dict[str, Any]] = field(default_factory=list)
     renders: list[str | None] = field(default_factory=list)  # each one's segment text (None: not stored)
     counts: list[dict[str, int] | None] = field(default_factory=list)  # its raw token count per counter key
     # Whether its segment's other fields were stored too: a request body may refer to it.
@@ -61,9 +61,10 @@ class LiveLog:
     # A tool result's pointer render: {"text", "tokens" per counter key}.
     pointers: list[dict[str, Any] | None] = field(default_factory=list)
 
-    def rows(self) -> Iterator[tuple[HistoryItem, str | None, dict[str, int] | None, bool, dict[str, Any] | None]]:
-        """(item, render, counts, referable, pointer) of each logged item, in log order."""
-        return zip(self.items, self.renders, self.counts, self.referable, self.pointers, strict=True)
+    @property
+    def items(self) -> list[HistoryItem]:
+        """Each logged item, made of its stored JSON."""
+        return [parse_history_item(p) for p in self.payloads]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,16 @@ with a typed, non-retryable error.
 from __future__ import annotations
 
 import bisect
-import functools
 import operator
 from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import compress, repeat
 from typing import Any, NamedTuple, cast
 
 import structlog
 from temporalio.exceptions import ApplicationError
 
+from activities.memo_log import MemoLog
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
 from activities.rows import CallReads, ItemRender, LiveLog, RequestRecord, StoredSession, TurnReads
@@ -25,10 +26,11 @@ from activities.store import MAX_DELTA_CHAIN, Store
 from activities.tokens import TiktokenCounter
 from contract.events import EventType
 from contract.payloads import STORED, SessionOpen
-from core.build import FrozenPrefix, RenderCache, counter_key, pointer_for, segment_of
+from core.build import FrozenPrefix, RenderCache, counter_key, pointer_for, segment_of, segments_of_logged
 from core.estimator import ModelProfile, TokenEstimator
+from core.history import LoggedHistory, missing
 from core.item_rendering import render_item
-from core.items import HistoryItem, Region, ToolCall, ToolResult, UserMessage, parse_history_item
+from core.items import HistoryItem, Region, ToolCall, ToolResult, parse_history_item
 from core.plan import SEGMENT, Segment
 from core.working_state import WorkingState, WorkingStateWrite, fold
 
@@ -38,27 +40,12 @@ RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 _TEXT_AND_COUNT = {"text", "raw_tokens"}  # what a stored render holds beside its segment's other fields
 
 
-class StoredRender(NamedTuple):
-    """A logged item's render stored at write time, as the memo keeps it."""
-
-    item: HistoryItem
-    text: str
-    tokens: dict[str, int]  # its raw token count per counter key
-    referable: bool  # its segment's other fields were stored too: a request body may refer to it
-    pointer: dict[str, Any] | None  # a tool result's pointer render: {"text", "tokens" per counter key}
-
-
-_stored_render = functools.partial(tuple.__new__, StoredRender)  # a StoredRender from its fields' tuple
-_item, _text, _tokens, _referable, _pointer = map(operator.itemgetter, range(5))  # a StoredRender's fields
 _pointer_text, _pointer_tokens = operator.itemgetter("text"), operator.itemgetter("tokens")  # a stored pointer's
 _id = operator.attrgetter("id")
 _item_id = operator.attrgetter("item_id")  # a segment's
 _second = operator.itemgetter(1)
-_PAIRED = frozenset({ToolCall, ToolResult})  # the item types the open-call pass visits
-
-
-def _has_render(rendered: str | None, tokens: dict[str, int] | None) -> bool:
-    return rendered is not None and bool(tokens)
+_PAIRED = frozenset({"tool_call", "tool_result"})  # the kinds the open-call pass visits
+_TOOL_RESULT, _USER_MESSAGE = "tool_result", "user_message"
 
 
 class BuiltRequest(NamedTuple):
@@ -144,7 +131,8 @@ class SessionCache:
     """Per-session, per-worker memo of immutable things: the log so far, prefixes, rendered items."""
 
     def __init__(self, secret: bytes) -> None:
-        self.items: list[HistoryItem] = []
+        # The log a request can still show, in log order: items made when a caller looks into them.
+        self.items = MemoLog()
         self.max_seq = -1
         self.prefixes: dict[int, tuple[FrozenPrefix, ModelProfile]] = {}
         self.secret = secret
@@ -156,14 +144,16 @@ class SessionCache:
         self.seg_provider: dict[int, tuple[Segment, ProviderSegment]] = {}
         self.built: OrderedDict[str, BuiltRequest] = OrderedDict()
         self.last_body: LastBody | None = None
-        # Each logged item's render stored at write time, by item id.
-        self.stored: dict[str, StoredRender] = {}
-        # Per counter key, by item id: the segment its render memo took from the item's stored render, when the
-        # store kept that segment's other fields too. A request body refers to exactly these (`stored_form`).
+        # Per counter key, each logged item's segment made from its stored render (None: none was stored for the
+        # counter; the build renders it), in the log's order.
+        self.segments: dict[str, list[Segment | None]] = {}
+        # Per counter key, by item id: the segment made from the item's stored render, when the store kept that
+        # segment's other fields too. A request body refers to exactly these (`stored_form`).
         self.referable: dict[str, dict[str, Segment]] = {}
         # Kept as items are logged, so a turn's lookups cost what the turn added, not the session's length.
-        self.by_id: dict[str, HistoryItem] = {}
-        self.open_calls: dict[str, ToolCall] = {}  # tool calls with no result yet, by call id
+        self.by_id: dict[str, int] = {}  # each logged item's position, by id
+        self.open_calls: dict[str, int] = {}  # the position of each tool call with no result yet, by call id
+        self.covered_calls: dict[str, ToolCall] = {}  # those of them a checkpoint covers (pruned from `items`)
         # Items up to this position are covered by the latest checkpoint: no request shows them again, so the
         # memo drops them (`prune`) and a cold read starts after them. -1: no checkpoint.
         self.floor = -1
@@ -220,14 +210,21 @@ class SessionCache:
             return
         self.floor = covers_to_seq
         self.max_seq = max(self.max_seq, covers_to_seq)
-        k = bisect.bisect_right(self.items, covers_to_seq, key=_seq)
+        log = self.items
+        k = bisect.bisect_right(log.seqs, covers_to_seq)
         if not k:
             return
-        gone = {item.id for item in self.items[:k]}
-        del self.items[:k]
+        covered = set(log.seqs[:k])
+        for call_id, seq in list(self.open_calls.items()):
+            if seq in covered:
+                self.covered_calls[call_id] = cast(ToolCall, log.item(log.seqs.index(seq)))
+                del self.open_calls[call_id]
+        gone = set(log.ids[:k])
+        log.drop_head(k)
+        for column in self.segments.values():
+            del column[:k]
         for item_id in gone:
             self.by_id.pop(item_id, None)
-            self.stored.pop(item_id, None)
         for refs in self.referable.values():
             for item_id in gone:
                 refs.pop(item_id, None)
@@ -239,13 +236,50 @@ class SessionCache:
 
     def this_turn(self) -> list[HistoryItem]:
         """The items logged since the last user message, that message included (the current turn's, in order)."""
-        out: list[HistoryItem] = []
-        for item in reversed(self.items):
-            out.append(item)
-            if isinstance(item, UserMessage):
-                break
-        out.reverse()
-        return out
+        kinds = self.items.kinds
+        at = len(kinds) - 1
+        while at > 0 and kinds[at] != _USER_MESSAGE:
+            at -= 1
+        return self.items[max(at, 0) :]
+
+    def item(self, item_id: str) -> HistoryItem | None:
+        """The logged item `item_id`, if the memo holds it."""
+        seq = self.by_id.get(item_id)
+        if seq is None:
+            return None
+        log = self.items
+        return log.item(bisect.bisect_left(log.seqs, seq))
+
+    def taken(self, item_id: str, key: str) -> Segment | None:
+        """The segment made of the logged item `item_id`'s render stored for the counter `key` (None: none)."""
+        seq = self.by_id.get(item_id)
+        column = self.segments.get(key)
+        if seq is None or column is None:
+            return None
+        return column[bisect.bisect_left(self.items.seqs, seq)]
+
+    def unanswered_calls(self) -> list[ToolCall]:
+        """The logged tool calls with no result yet, in log order."""
+        log = self.items
+        calls = [cast(ToolCall, log.item(bisect.bisect_left(log.seqs, seq))) for seq in self.open_calls.values()]
+        return sorted([*calls, *self.covered_calls.values()], key=_seq)
+
+    def logged(self, renders: RenderCache, estimator: TokenEstimator, message: HistoryItem | None) -> LoggedHistory:
+        """The log as the builder reads it, with `renders`' counter's segments (one made now of an item logged
+        without a render for the counter), and `message` (not logged yet) after it."""
+        log = self.items
+        column = self.segments[renders.counter_key]
+        if missing(column):
+            for k in [k for k, seg in enumerate(column) if seg is None]:
+                column[k] = renders.segment(log.item(k), estimator)
+        seqs, segs, ids = list(log.seqs), list[Segment | None](column), list(log.ids)
+        if message is None:
+            return LoggedHistory(seqs, segs, ids, log.item)
+        n = len(seqs)
+        seqs.append(message.seq)
+        segs.append(None)
+        ids.append(message.id)
+        return LoggedHistory(seqs, segs, ids, lambda k: message if k == n else log.item(k))
 
     def remember_request(
         self, sha: str, built: BuiltRequest, prefix_sha: str, body: list[Segment], form: BodyForm
@@ -292,61 +326,70 @@ class SessionCache:
         """The session's render memo for the counter `key`; a new one takes every stored render it can."""
         if key not in self.renders:
             cache = self.renders[key] = RenderCache(self.secret, key)
-            self._take(list(self.stored.values()), cache, self.referable.setdefault(key, {}))
+            self.segments[key] = []
+            self._take(0, cache)
         return self.renders[key]
 
-    def _take(self, stored: list[StoredRender], cache: RenderCache, refs: dict[str, Segment]) -> None:
-        """`cache` takes each of `stored` (and its pointer's render) that `cache`'s counter counted; `refs` (the
-        referable segments of `cache`'s counter) each segment made, when the store kept its other fields.
+    def _take(self, start: int, cache: RenderCache) -> None:
+        """The segments of the logged items from index `start` on that `cache`'s counter counted, made from their
+        stored renders (and their pointers' renders taken by `cache`); the referable ones are noted in `referable`.
 
         In whole-column steps (a cold worker takes thousands): only the pointers are visited one by one."""
-        key = cache.counter_key
-        counts: list[int | None] = list(map(dict.get, map(_tokens, stored), repeat(key)))
-        mine = stored
-        if None in counts:  # some were counted by another counter only
-            counted = list(map(operator.is_not, counts, repeat(None)))
-            mine, counts = list(compress(stored, counted)), list(compress(counts, counted))
-        items = list(map(_item, mine))
-        segs = cache.adopt_all(items, list(map(_text, mine)), cast(list[int], counts))
-        referable = list(map(_referable, mine))
-        refs.update(zip(map(_id, compress(items, referable)), compress(segs, referable), strict=True))
+        key, log = cache.counter_key, self.items
+        stop = len(log)
+        counts: list[int | None] = list(map(dict.get, log.counts[start:stop], repeat(key)))
+        texts = log.renders[start:stop]
+        payloads = log.payloads(start, stop)
+        segs: list[Segment | None] | None = None
+        if None not in counts and None not in texts:
+            made = segments_of_logged(payloads, cast(list[str], texts), cast(list[int], counts))
+            segs = cast(list[Segment | None] | None, made)
+        if segs is None:  # some were logged before renders were stored, or taint their own way
+            segs = [
+                None if count is None or text is None else segment_of(log.item(start + k), text, count)
+                for k, (text, count) in enumerate(zip(texts, counts, strict=True))
+            ]
+        self.segments[key] += segs
+        referable = list(map(operator.and_, log.referable[start:stop], map(operator.is_not, segs, repeat(None))))
+        self.referable.setdefault(key, {}).update(
+            zip(compress(log.ids[start:stop], referable), cast(list[Segment], compress(segs, referable)), strict=True)
+        )
         # The tool results' pointers this counter counted (only a tool result is stored with one).
-        pointed = list(compress(zip(items, counts, map(_pointer, mine), strict=True), map(_pointer, mine)))
-        pointers = [p for p in pointed if type(p[0]) is ToolResult and key in p[2]["tokens"]]
-        if pointers:
-            results, result_tokens, stored_pointers = zip(*pointers, strict=True)
+        pointed = [
+            (k, p)
+            for k, p in zip(range(start, stop), log.pointers[start:stop], strict=True)
+            if p is not None and log.kinds[k] == _TOOL_RESULT and key in p["tokens"] and segs[k - start] is not None
+        ]
+        if pointed:
             cache.adopt_pointers(
-                results,
-                result_tokens,
-                list(map(_pointer_text, stored_pointers)),
-                list(map(dict.__getitem__, map(_pointer_tokens, stored_pointers), repeat(key))),
+                [log.ids[k] for k, _ in pointed],
+                [cast(Segment, segs[k - start]).raw_tokens for k, _ in pointed],
+                [p["text"] for _, p in pointed],
+                [p["tokens"][key] for _, p in pointed],
             )
 
     def join(self, rows: LiveLog) -> None:
         """Logged items (`rows`, in log order, after what the memo holds) join the memo of the log, their stored
         renders taken by every render memo of their counters."""
-        items = rows.items
-        if not items:
+        payloads = rows.payloads
+        log = self.items
+        start = len(log)
+        log.extend(rows)
+        if not payloads:
             return
-        self.items += items
-        self.max_seq = items[-1].seq
-        by_id, open_calls = self.by_id, self.open_calls
-        by_id.update(zip(map(_id, items), items, strict=True))
-        # Only the calls and results, picked in a C-level pass (`type(...) in`: an isinstance check of a pydantic
-        # model costs several times it).
-        for item in compress(items, map(_PAIRED.__contains__, map(type, items))):
-            if type(item) is ToolCall:
-                open_calls[item.call_id] = item
-            elif type(item) is ToolResult:
-                open_calls.pop(item.call_id, None)
-        # Each row with a stored render, as a `StoredRender` made in one C-level pass (no Python call per row).
-        renders, counts = rows.renders, rows.counts
-        fields = zip(items, renders, counts, rows.referable, rows.pointers, strict=True)
-        every = None not in renders and all(counts)  # else some were logged before renders were stored
-        stored = list(map(_stored_render, fields if every else compress(fields, map(_has_render, renders, counts))))
-        self.stored.update(zip(map(_id, map(_item, stored)), stored, strict=True))
-        for key, cache in self.renders.items():
-            self._take(stored, cache, self.referable.setdefault(key, {}))
+        self.max_seq = log.seqs[-1]
+        self.by_id.update(zip(log.ids[start:], log.seqs[start:], strict=True))
+        open_calls = self.open_calls
+        # Only the calls and results, picked in a C-level pass.
+        for k in compress(range(start, len(log)), map(_PAIRED.__contains__, log.kinds[start:])):
+            call_id = payloads[k - start]["call_id"]
+            if log.kinds[k] == "tool_call":
+                open_calls[call_id] = log.seqs[k]
+            else:
+                open_calls.pop(call_id, None)
+                self.covered_calls.pop(call_id, None)
+        for cache in self.renders.values():
+            self._take(start, cache)
 
     def stored_form(self, segments: list[Segment], renders: RenderCache) -> StoredForm:
         """`segments` as a request body stores them. A segment that is a logged item's stored render (the very
@@ -382,7 +425,7 @@ class SessionCache:
                 spans.append(None)
                 ends.append(count + 1)
             else:
-                seq = by_id[item_id].seq
+                seq = by_id[item_id]
                 if run and seq == run[2] + 1:
                     run[2] = seq
                 else:
@@ -416,12 +459,13 @@ class SessionCache:
                 out.append(self.provider_of(seg))
                 continue
             first, last = entry["seqs"]
-            at = bisect.bisect_left(self.items, first, key=_seq)
-            items = self.items[at : at + last - first + 1]
+            log = self.items
+            at = bisect.bisect_left(log.seqs, first)
+            seqs = log.seqs[at : at + last - first + 1]
             # The memo's items are in log order, one per position: the run's count, first and last make them all.
-            if len(items) != last - first + 1 or items[0].seq != first or items[-1].seq != last:
+            if len(seqs) != last - first + 1 or seqs[0] != first or seqs[-1] != last:
                 return None
-            segs = list(map(refs.get, map(_id, items)))
+            segs = list(map(refs.get, log.ids[at : at + last - first + 1]))
             if not all(segs):  # a missing one (a segment is always true: no `==` per segment, as `in` makes)
                 return None
             out += self.providers_of(cast(list[Segment], segs))
@@ -572,7 +616,7 @@ class SessionState:
             cache.catch_up(reads.items, reads.covers_to_seq)
         return open_, cache, reads
 
-    async def items(self, session_id: str, cache: SessionCache) -> list[HistoryItem]:
+    async def items(self, session_id: str, cache: SessionCache) -> Sequence[HistoryItem]:
         """The log the latest checkpoint does not cover, in log order: what any request can show."""
         covers_to_seq, rows = await self.store.load_live_items(session_id, cache.max_seq)
         cache.catch_up(rows, covers_to_seq)
@@ -627,7 +671,7 @@ class SessionState:
         if items and seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))):
             cache.join(
                 LiveLog(
-                    items=[parse_history_item({**data, "seq": seq}) for data, seq in zip(items, seqs, strict=True)],
+                    payloads=[{**data, "seq": seq} for data, seq in zip(items, seqs, strict=True)],
                     renders=[r.text for r in renders],
                     counts=[r.tokens for r in renders],
                     referable=[True] * len(renders),

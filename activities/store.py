@@ -39,7 +39,7 @@ from activities.rows import (
     WrittenMemory,
 )
 from core.compaction import run_trust
-from core.items import parse_history_item, parse_history_json
+from core.items import parse_history_item
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -1097,20 +1097,22 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
 
 def _live(row: Mapping[str, Any]) -> LiveLog:
     """The log read by `_live_log`, parsed: the rows before the blocks, the blocks, the rows after them; the
-    payloads in one pass, the blocks' other columns each in one pass, the rows' as they came."""
+    payloads to dicts in one pass, the blocks' other columns each in one pass, the rows' as they came."""
     payloads = row["payloads"] or []
     block = row["block_payloads"]
     if block is None and not payloads:
         return LiveLog()
     head = int(row["head"])  # 0 without blocks
+    texts = payloads if block is None else [*payloads[:head], block, *payloads[head:]]
 
     def around(rows: list[Any] | None, blocks: str | None) -> list[Any]:
         rows = rows or []
         return rows if blocks is None else [*rows[:head], *from_json("[" + blocks + "]"), *rows[head:]]
 
     return LiveLog(
-        # A block's payloads are its items' JSON texts joined by commas: one more text of the joined list.
-        items=parse_history_json(payloads if block is None else [*payloads[:head], block, *payloads[head:]]),
+        # A block's payloads are its items' JSON texts joined by commas: one more text of the joined list, parsed
+        # to dicts in one pass (the memo makes an item of one when a caller looks into it).
+        payloads=from_json("[" + ",".join(texts) + "]"),
         renders=around(row["renders"], row["block_renders"]),
         counts=around(row["counts"], row["block_counts"]),
         referable=around(row["referable"], row["block_referable"]),

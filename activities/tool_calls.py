@@ -55,11 +55,11 @@ class ToolCallActivities(ToolCalls):
         open_, _, cache = await state.session(inp.session_id)
         result_id = f"{inp.call.item_id}.result"
         await state.items(inp.session_id, cache)
-        done = cache.by_id.get(result_id)
+        done = cache.item(result_id)
         ws_text: str | None = None
         if isinstance(done, ToolResult):
             return _summary(done, state.counter("cl100k_base").count(done.content), None)
-        call_item = cache.by_id.get(inp.call.item_id)
+        call_item = cache.item(inp.call.item_id)
         # A result inherits its call's taint: a tool can store and return text the model chose (notes.save).
         tainted = call_item.tainted if call_item is not None else True
         # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
@@ -85,9 +85,7 @@ class ToolCallActivities(ToolCalls):
             ],
             cache,
         )
-        stored = cache.by_id.get(result_id) or next(
-            i for i in await state.items(inp.session_id, cache) if i.id == result_id
-        )
+        stored = cache.item(result_id) or next(i for i in await state.items(inp.session_id, cache) if i.id == result_id)
         assert isinstance(stored, ToolResult)
         return _summary(stored, state.counter("cl100k_base").count(stored.content), ws_text)
 

@@ -11,13 +11,14 @@ across builds of one session. It never changes a result, only how fast it comes.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import math
 import operator
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +26,7 @@ from core.budget import ContextBudget
 from core.compaction import Checkpoint, apply_checkpoint
 from core.errors import PrefixOverflowError, TurnTooLargeError
 from core.estimator import TokenEstimator
+from core.history import LoggedHistory, missing
 from core.item_rendering import render_item, source_of
 from core.items import (
     ITEM_TYPES,
@@ -127,7 +129,7 @@ class BodyInputs(BaseModel):
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
-    history: Sequence[HistoryItem] = ()
+    history: Sequence[HistoryItem] | LoggedHistory = ()
     checkpoint: Checkpoint | None = None
     turn_start_seq: int = 0
     current: CurrentUserMessage | None = None
@@ -153,10 +155,10 @@ def measure_working_state(text: str, *, estimator: TokenEstimator, secret: bytes
 
 
 class HistoryScan:
-    """One pass over older history, before any yield. Immutable once built; `extend` returns a new scan."""
+    """One pass over older history's segments, before any yield. Immutable once built; `extend` returns a new
+    scan."""
 
     def __init__(self) -> None:
-        self.items: list[HistoryItem] = []
         self.segs: list[Segment] = []
         self.raws: list[int] = []
         self.truncatable: list[int] = []
@@ -166,11 +168,10 @@ class HistoryScan:
         self.tainted = 0  # segments that taint the view
         self.pairs = PairState()
 
-    def extend(self, older: list[HistoryItem], cache: RenderCache, estimator: TokenEstimator) -> HistoryScan:
+    def extend(self, older: list[Segment]) -> HistoryScan:
         scan = HistoryScan()
-        start = len(self.items)
-        scan.items = older
-        scan.segs = list(self.segs)
+        start = len(self.segs)
+        scan.segs = older
         scan.raws = list(self.raws)
         scan.truncatable = list(self.truncatable)
         scan.raw_total = self.raw_total
@@ -178,19 +179,17 @@ class HistoryScan:
         scan.pointers = self.pointers
         scan.tainted = self.tainted
         new = older[start:]
-        # Column by column (a cold worker's first build scans thousands of items): each item's segment, then
-        # each column's totals in C-level passes.
-        new_segs = cache.segments(new, estimator)
-        raws = list(map(_raw_tokens, new_segs))
+        # Column by column (a cold worker's first build scans thousands of segments), in C-level passes.
+        raws = list(map(_raw_tokens, new))
+        kinds = list(map(_kind, new))
         scan.raws += raws
         scan.raw_total += sum(raws)
-        scan.pointers += list(map(_kind, new_segs)).count(_POINTER)
-        scan.tainted += sum(map(_taints, new_segs))
-        results = list(map(operator.is_, map(type, new), repeat(ToolResult)))
+        scan.pointers += kinds.count(_POINTER)
+        scan.tainted += sum(map(_taints, new))
+        results = list(map(operator.eq, kinds, repeat(_RESULT)))
         scan.results_raw += sum(compress(raws, results))
         scan.truncatable += compress(range(start, len(older)), results)
-        scan.segs += new_segs
-        scan.pairs = self.pairs.copy().feed(new_segs)
+        scan.pairs = self.pairs.copy().feed(new)
         return scan
 
 
@@ -204,15 +203,14 @@ class RenderCache:
         # worker's memo holds thousands).
         self._items: dict[str, Item] = {}
         self._segs: dict[str, Segment] = {}
-        self._pointers: dict[str, tuple[ToolResult, Segment]] = {}
+        self._pointers: dict[str, tuple[Segment, Segment]] = {}  # by result id: its segment and its pointer's
         # Pointer renders stored at write time, by result id: (the result's count, the text, the pointer's count).
         self._stored_pointers: dict[str, tuple[int, str, int]] = {}
         self._chain_prefix = ""
         self._chain: list[Segment] = []
         self._checkpoints: list[Any] = []
         self._scan: HistoryScan | None = None
-        self._ordered: tuple[list[HistoryItem], list[int]] = ([], [])
-        self._visible: tuple[Sequence[HistoryItem], Checkpoint | None, list[HistoryItem]] = ((), None, [])
+        self._head: tuple[Checkpoint | None, list[HistoryItem], list[Segment], list[int]] = (None, [], [], [])
 
     def __len__(self) -> int:
         return len(self._segs)
@@ -229,30 +227,32 @@ class RenderCache:
             return list(map(self._segs.__getitem__, ids))
         return [self.lookup(item) or self.segment(item, estimator) for item in items]
 
-    def pointer_segment(self, result: ToolResult, raw_tokens: int, estimator: TokenEstimator) -> Segment:
-        """The segment of the typed pointer that stands for `result`, built once per result."""
-        memo = self._pointers.get(result.id)
+    def pointer_segment(self, result: Segment, item: Callable[[], HistoryItem], estimator: TokenEstimator) -> Segment:
+        """The segment of the typed pointer that stands for the tool result whose segment is `result` (`item()`
+        gives the result itself, parsed only when its pointer was not stored), made once per result segment."""
+        memo = self._pointers.get(result.item_id)
         if memo is not None and memo[0] is result:
             return memo[1]
-        stored = self._stored_pointers.get(result.id)
-        if stored is not None and stored[0] == raw_tokens:
+        stored = self._stored_pointers.get(result.item_id)
+        if stored is not None and stored[0] == result.raw_tokens:
             seg = pointer_segment_of(result, stored[1], stored[2])  # read, as a cold worker does: no item made
         else:
-            text = render_item(pointer_for(result, raw_tokens), self.secret)
+            tool_result = item()
+            assert isinstance(tool_result, ToolResult), tool_result.kind
+            text = render_item(pointer_for(tool_result, result.raw_tokens), self.secret)
             seg = pointer_segment_of(result, text, estimator.count(text))
         # Memoised by the result's id alone, so `forget` drops it with the result.
-        self._pointers[result.id] = (result, seg)
+        self._pointers[result.item_id] = (result, seg)
         return seg
 
     def adopt_pointers(
-        self, results: Sequence[ToolResult], result_tokens: Sequence[int], texts: Sequence[str], counts: Sequence[int]
+        self, result_ids: Sequence[str], result_tokens: Sequence[int], texts: Sequence[str], counts: Sequence[int]
     ) -> None:
-        """Take the pointers that may stand for `results` (each counted `result_tokens` by this cache's counter)
-        from their renders stored at write time (`texts`, counted `counts`), for when a build needs them: a cold
-        worker's build of a session under pressure reads its pointers instead of rendering and counting them."""
-        self._stored_pointers.update(
-            zip(map(_id, results), zip(result_tokens, texts, counts, strict=True), strict=True)
-        )
+        """Take the pointers that may stand for the results `result_ids` (each counted `result_tokens` by this
+        cache's counter) from their renders stored at write time (`texts`, counted `counts`), for when a build
+        needs them: a cold worker's build of a session under pressure reads its pointers instead of rendering and
+        counting them."""
+        self._stored_pointers.update(zip(result_ids, zip(result_tokens, texts, counts, strict=True), strict=True))
 
     def request_hash(self, prefix: FrozenPrefix, body: list[Segment]) -> str:
         """SHA-256 of prefix + body bytes, resumed from the last checkpoint before the first changed segment."""
@@ -284,47 +284,39 @@ class RenderCache:
             self._pointers.pop(item_id, None)
             self._stored_pointers.pop(item_id, None)
 
-    def visible_history(self, history: Sequence[HistoryItem], checkpoint: Checkpoint | None) -> list[HistoryItem]:
-        """`apply_checkpoint(history, checkpoint)`, extending the last call's result when `history` extends the
-        last call's and the checkpoint is the same: the work is the new items, and the summary item is the same
-        object, so the scans below see an unchanged prefix."""
-        prev_in, prev_cp, prev_out = self._visible
-        n = len(prev_in)
-        if (
-            n
-            and n <= len(history)
-            and (prev_cp is checkpoint or prev_cp == checkpoint)
-            and all(map(operator.is_, history[:n], prev_in))
-        ):
-            covers = checkpoint.covers_to_seq if checkpoint is not None else -1
-            out = prev_out + [item for item in history[n:] if item.seq > covers]
-        else:
-            out = apply_checkpoint(history, checkpoint)
-        self._visible = (list(history), checkpoint, out)  # a copy: the caller may extend its list in place
-        return out
-
-    def ordered_history(self, history: list[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:
-        """`history` sorted by log position, and the positions; reuses the last call's work for its prefix."""
-        prev, prev_seqs = self._ordered
-        n = len(prev)
-        if n and n <= len(history) and all(map(operator.is_, history[:n], prev)):
-            seqs = prev_seqs + [h.seq for h in history[n:]]
-        else:
-            seqs = [h.seq for h in history]
+    def logged(self, items: Sequence[HistoryItem], estimator: TokenEstimator) -> LoggedHistory:
+        """`items` (logged history, in any order) as the builder reads the log: sorted by log position, with their
+        segments (memoised: a warm build of the same items makes none)."""
+        history = list(items)
+        seqs = list(map(_seq, history))
         if any(map(operator.gt, seqs, seqs[1:])):
-            history = sorted(history, key=_seq)
-            seqs = [h.seq for h in history]
-        self._ordered = (history, seqs)
-        return history, seqs
+            history.sort(key=_seq)
+            seqs = list(map(_seq, history))
+        return LoggedHistory(seqs, self.segments(history, estimator), list(map(_id, history)), history.__getitem__)
 
-    def scan_history(self, older: list[HistoryItem], estimator: TokenEstimator) -> HistoryScan:
-        """Segments, counts and pairing of `older`, extending the previous scan when it is a prefix."""
+    def checkpoint_head(
+        self, checkpoint: Checkpoint | None, estimator: TokenEstimator
+    ) -> tuple[list[HistoryItem], list[Segment], list[int]]:
+        """What a request shows of `checkpoint` (`apply_checkpoint`: its summary, then its pointers), in log order:
+        the items, their segments and their positions; made again only for another checkpoint."""
+        prev, items, segs, seqs = self._head
+        if checkpoint is None:
+            return [], [], []
+        if prev is not checkpoint and prev != checkpoint:
+            items = sorted(apply_checkpoint((), checkpoint), key=_seq)
+            segs = [self.segment(item, estimator) for item in items]
+            seqs = list(map(_seq, items))
+            self._head = (checkpoint, items, segs, seqs)
+        return items, segs, seqs
+
+    def scan_history(self, older: list[Segment]) -> HistoryScan:
+        """Counts and pairing of the older history's segments, extending the previous scan when it is a prefix."""
         prev = self._scan
-        n = len(prev.items) if prev is not None else 0
-        if prev is not None and n <= len(older) and all(map(operator.is_, older[:n], prev.items)):
-            scan = prev.extend(older, self, estimator)
+        n = len(prev.segs) if prev is not None else 0
+        if prev is not None and n <= len(older) and all(map(operator.is_, older[:n], prev.segs)):
+            scan = prev.extend(older)
         else:
-            scan = HistoryScan().extend(older, self, estimator)
+            scan = HistoryScan().extend(older)
         self._scan = scan
         return scan
 
@@ -399,12 +391,42 @@ def segments_of(items: Sequence[Item], texts: Sequence[str], counts: Sequence[in
     fields: list[Any] = list(map(_TYPE_FIELDS.get, map(type, items)))
     if None in fields or not all(map(_base_taint, fields)):
         return list(map(segment_of, items, texts, counts))
-    # An item's fields by name, from its `__dict__` (a pydantic model keeps them there): a call id is None for
-    # the kinds that do not pair, as in `segment_of`.
+    # An item's fields by name, from its `__dict__` (a pydantic model keeps them there, defaults included).
     data = list(map(_fields, items))
-    trusts = list(map(_trust_field, data))
+    return _segments(data, fields, list(map(_trust_field, data)), texts, counts)
+
+
+def segments_of_logged(
+    payloads: Sequence[dict[str, Any]], texts: Sequence[str], counts: Sequence[int]
+) -> list[Segment] | None:
+    """Each logged item's segment, as `segment_of` makes it of the item, from the item's stored JSON (`payloads`,
+    parsed to dicts, validated when it was logged) without making the item: a worker that has not seen a session
+    makes thousands. None when an item is of a kind that does not taint by the base rule (the caller makes it)."""
+    kinds = list(map(_kind_field, payloads))
+    by_kind: list[Any] = list(map(_LOGGED_TYPES.get, kinds))
+    if None in by_kind:
+        return None
+    fields: list[Any] = list(map(_TYPE_FIELDS.__getitem__, by_kind))
+    if not all(map(_base_taint, fields)):
+        return None
+    # A field left out of the stored JSON is the type's default (only `trust` and `tainted` have one here).
+    trusts = list(map(_TRUST.__getitem__, map(dict.get, payloads, repeat("trust"), map(_DEFAULT_TRUST.get, kinds))))
+    return _segments(payloads, fields, trusts, texts, counts)
+
+
+def _segments(
+    data: Sequence[dict[str, Any]],
+    fields: Sequence[tuple[Region, BudgetClass, Role, bool, bool]],
+    trusts: list[TrustLevel],
+    texts: Sequence[str],
+    counts: Sequence[int],
+) -> list[Segment]:
+    """Segments in C-level passes from each item's fields by name (`data`), its type's (`fields`) and its trust: a
+    call id is None for the kinds that do not pair (they have none), as in `segment_of`."""
     taints = map(
-        operator.or_, map(_tainted_field, data), map(operator.is_, trusts, repeat(TrustLevel.EXTERNAL_UNTRUSTED))
+        operator.or_,
+        map(dict.get, data, repeat("tainted"), repeat(False)),
+        map(operator.is_, trusts, repeat(TrustLevel.EXTERNAL_UNTRUSTED)),
     )
     return list(
         map(
@@ -421,6 +443,15 @@ def segments_of(items: Sequence[Item], texts: Sequence[str], counts: Sequence[in
             taints,
         )
     )
+
+
+_LOGGED_TYPES: dict[str, type[Item]] = {t.model_fields["kind"].default: t for t in get_args(HistoryItem)}
+_TRUST = {level.value: level for level in TrustLevel}
+_DEFAULT_TRUST = {
+    kind: t.model_fields["trust"].default
+    for kind, t in _LOGGED_TYPES.items()
+    if isinstance(t.model_fields["trust"].default, TrustLevel)
+}
 
 
 def open_prefix(
@@ -482,9 +513,12 @@ _id = attrgetter("id")
 _first, _second, _third = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 _base_taint = operator.itemgetter(4)  # a `_TYPE_FIELDS` entry's: the type taints by `Item.taints_view`
 _fields = attrgetter("__dict__")
-_id_field, _kind_field, _trust_field, _tainted_field = map(operator.itemgetter, ("id", "kind", "trust", "tainted"))
+_id_field, _kind_field, _trust_field = map(operator.itemgetter, ("id", "kind", "trust"))
 _HASH_CHECKPOINT_EVERY = 64
 _POINTER = "elided_span"
+_RESULT = "tool_result"
+# The kinds of the per-request segments that close a body, after the recall (core.order.SECTIONS).
+_LAST_KINDS = frozenset({"working_state", "turn_context", "current_message"})
 POINTER_BATCH = 8
 POINTER_SUFFIX = "#pointer"  # a typed pointer's id is the tool result's with this after it
 
@@ -515,12 +549,26 @@ def build(
     def est(seg: Segment) -> float:
         return (seg.raw_tokens + per_msg) * unit
 
-    history, seqs = cache.ordered_history(cache.visible_history(body.history, body.checkpoint))
+    # The history a request shows (`apply_checkpoint`), as segments and positions in log order, and the item
+    # behind each (`item_at`, looked into only for a tool result whose pointer was not stored).
+    logged = body.history if isinstance(body.history, LoggedHistory) else cache.logged(body.history, estimator)
+    head_items, head_segs, head_seqs = cache.checkpoint_head(body.checkpoint, estimator)
+    cut = bisect.bisect_right(logged.seqs, body.checkpoint.covers_to_seq) if body.checkpoint is not None else 0
+    shown = logged.segments[cut:]
+    seqs = [*head_seqs, *logged.seqs[cut:]]
+    n_head = len(head_items)
+
+    def item_at(k: int) -> HistoryItem:
+        return head_items[k] if k < n_head else logged.item(cut + k - n_head)
+
+    if missing(shown):  # items no segment was made of yet (the turn's message, one logged without its render)
+        shown = [seg or cache.segment(item_at(n_head + k), estimator) for k, seg in enumerate(shown)]
+    history = cast(list[Segment], [*head_segs, *shown])
     split = bisect.bisect_left(seqs, body.turn_start_seq)
-    older, active = history[:split], history[split:]
+    older_history, active = history[:split], history[split:]
 
     # Never yield: current message, working state, correction lines, turn context, the active turn's items.
-    fixed_items: list[Item] = [*active, *body.corrections]
+    fixed_items: list[Item] = [*body.corrections]
     if body.working_state is not None:
         # Its cap is enforced when it is written (measure_working_state); here it never yields.
         fixed_items.append(body.working_state)
@@ -528,16 +576,16 @@ def build(
         fixed_items.append(body.turn_context)
     if body.current is not None:
         fixed_items.append(body.current)
-    fixed = [(item, cache.segment(item, estimator)) for item in fixed_items]
-    fixed_total = sum(est(s) for _, s in fixed)
+    fixed = [*active, *(cache.segment(item, estimator) for item in fixed_items)]
+    fixed_total = sum(map(est, fixed))
     # Yield inside the active turn: its results may become pointers (the call stays, so the pair stays whole).
-    active_pointers = _active_pointer_candidates(fixed, cache, estimator)
-    minimum = fixed_total - sum(est(s) - est(p) for _, s, p in active_pointers)
+    active_pointers = _active_pointer_candidates(active, split, item_at, cache, estimator)
+    minimum = fixed_total - sum(est(s) - est(p) for s, p in active_pointers)
     if minimum > available:
         by_class: dict[str, int] = {}
-        for item, s in fixed:
-            pointer = next((p for r, _, p in active_pointers if r is item), None)
-            seg = pointer or s
+        instead = {id(s): p for s, p in active_pointers}
+        for s in fixed:
+            seg = instead.get(id(s), s)
             by_class[seg.budget_class.value] = by_class.get(seg.budget_class.value, 0) + math.ceil(est(seg))
         raise TurnTooLargeError(by_class, available, prefix_tokens=prefix_tokens, input_limit=budget.input_limit)
 
@@ -565,7 +613,7 @@ def build(
 
     # Older history: segments, counts, running totals and which results may become pointers. The pass is
     # memoised: when the previous build's older history is a prefix of this one, only new items are visited.
-    scan = cache.scan_history(older, estimator)
+    scan = cache.scan_history(older_history)
     older_segs = list(scan.segs)
     older_raw = list(scan.raws)
     truncatable = scan.truncatable
@@ -574,7 +622,7 @@ def build(
     older_pointers = scan.pointers
     older_tainted = scan.tainted
     older_n = len(older_segs)
-    active_results = sum(est(s) for h, s in fixed if isinstance(h, ToolResult))
+    active_results = sum(est(s) for s in active if s.kind == _RESULT)
     results_cap = budget.tool_results_cap(available)
     cursor = 0
 
@@ -593,9 +641,8 @@ def build(
         while cursor < len(truncatable) and (not limit_ok() or (freed_ids and cursor % POINTER_BATCH)):
             index = truncatable[cursor]
             cursor += 1
-            original = older[index]
-            assert isinstance(original, ToolResult)
-            pseg = cache.pointer_segment(original, older_raw[index], estimator)
+            original = scan.segs[index]
+            pseg = cache.pointer_segment(original, functools.partial(item_at, index), estimator)
             delta = older_raw[index] - pseg.raw_tokens
             if delta <= 0:
                 continue  # a pointer no smaller than its result would destroy content for nothing
@@ -606,7 +653,7 @@ def build(
             older_raw_total -= delta
             results_raw -= delta
             freed += delta
-            freed_ids.append(original.id)
+            freed_ids.append(original.item_id)
         if freed_ids:
             yields.append(
                 YieldApplied(
@@ -643,7 +690,7 @@ def build(
         # Yield 2: tool results to typed pointers, oldest first.
         truncate_until(lambda: total() <= available, "pressure")
 
-    compactable = _compactable(older, body.checkpoint)
+    compactable = _compactable(seqs[:split], body.checkpoint)
     pointered: dict[str, Segment] = {}
     if total() > available and active_pointers:
         # Yield 2, inside the active turn, oldest first: as far as the active turn alone needs while older
@@ -652,10 +699,10 @@ def build(
             return (fixed_total if compactable else total()) <= available
 
         freed_active = 0.0
-        for result, seg, pseg in active_pointers:
+        for seg, pseg in active_pointers:
             if active_done():
                 break
-            pointered[result.id] = pseg
+            pointered[seg.item_id] = pseg
             freed_active += est(seg) - est(pseg)
             fixed_total -= est(seg) - est(pseg)
         if pointered:
@@ -673,14 +720,14 @@ def build(
         # pointers go, oldest first (each still resolves by its reference; the summary names the checkpoints).
         dropped_ids: list[str] = []
         freed_cp = 0
-        for index, h in enumerate(older):
+        for index, h in enumerate(older_segs):
             if total() <= available:
                 break
-            if isinstance(h, ElidedSpan) and h.call_id is None:
+            if h.kind == _POINTER and h.call_id is None:
                 dropped_pointers.add(index)
                 older_pointers -= 1
-                older_tainted -= older_segs[index].taints
-                dropped_ids.append(h.id)
+                older_tainted -= h.taints
+                dropped_ids.append(h.item_id)
                 freed_cp += older_raw[index]
                 older_raw_total -= older_raw[index]
                 older_n -= 1
@@ -699,12 +746,12 @@ def build(
 
     # Built in assembly order (core.order.SECTIONS): history, corrections, recall, working state, turn
     # context, current message. Tests assert it against order_key; sorting here would cost a pass per build.
-    tail = [pointered.get(h.id) or cache.segment(h, estimator) for h in active]
+    tail = [pointered.get(s.item_id) or s for s in active]
     if dropped_pointers:
         older_segs = [seg for index, seg in enumerate(older_segs) if index not in dropped_pointers]
     tail += [cache.segment(c, estimator) for c in sorted(body.corrections, key=attrgetter("id"))]
     tail += [s for _, s, _ in recall]
-    tail += [s for item, s in fixed if isinstance(item, WorkingStateBlock | TurnContext | CurrentUserMessage)]
+    tail += [s for s in fixed[len(active) :] if s.kind in _LAST_KINDS]
     body_segments = older_segs + tail
     # Pointers keep their result's call_id, so the pairing of the older history is the scan's.
     validate_pairs(tail, scan.pairs)
@@ -754,34 +801,41 @@ def build(
     )
 
 
-def _compactable(older: Sequence[HistoryItem], checkpoint: Checkpoint | None) -> bool:
-    """Whether compaction would find a span: an older item the checkpoint does not cover (plan_compaction's rule)."""
+def _compactable(older_seqs: Sequence[int], checkpoint: Checkpoint | None) -> bool:
+    """Whether compaction would find a span: an older item the checkpoint does not cover (plan_compaction's rule);
+    `older_seqs`: the older history's positions, in log order."""
     if checkpoint is None:
-        return bool(older)
-    return any(h.seq > checkpoint.covers_to_seq for h in older)
+        return bool(older_seqs)
+    return bool(older_seqs) and older_seqs[-1] > checkpoint.covers_to_seq
 
 
 def _active_pointer_candidates(
-    fixed: list[tuple[Item, Segment]], cache: RenderCache, estimator: TokenEstimator
-) -> list[tuple[ToolResult, Segment, Segment]]:
-    """The active turn's results, oldest first, with the pointer each may become (only when that is smaller)."""
-    out: list[tuple[ToolResult, Segment, Segment]] = []
-    for item, seg in fixed:
-        if type(item) is ToolResult:
-            pseg = cache.pointer_segment(item, seg.raw_tokens, estimator)
+    active: list[Segment],
+    start: int,
+    item_at: Callable[[int], HistoryItem],
+    cache: RenderCache,
+    estimator: TokenEstimator,
+) -> list[tuple[Segment, Segment]]:
+    """The active turn's results (`active`, from history index `start`), oldest first, with the pointer each may
+    become (only when that is smaller)."""
+    out: list[tuple[Segment, Segment]] = []
+    for k, seg in enumerate(active):
+        if seg.kind == _RESULT:
+            pseg = cache.pointer_segment(seg, functools.partial(item_at, start + k), estimator)
             if pseg.raw_tokens < seg.raw_tokens:
-                out.append((item, seg, pseg))
+                out.append((seg, pseg))
     return out
 
 
-def pointer_segment_of(result: ToolResult, text: str, raw_tokens: int) -> Segment:
-    """The segment of `pointer_for(result, ...)`, rendered as `text` and counted as `raw_tokens`, without making the
-    pointer item (a cold worker's build of a session under pressure makes hundreds): `segment_of` of the pointer,
-    field for field (`tests/unit/test_yields.py` compares them). The pointer's id, kind, trust and call id are the
-    result's; it shows none of the content, so it never taints the view (`ElidedSpan.taints_view`)."""
+def pointer_segment_of(result: Segment, text: str, raw_tokens: int) -> Segment:
+    """The segment of `pointer_for(...)` of the tool result whose segment is `result`, rendered as `text` and
+    counted as `raw_tokens`, without the result or the pointer item (a cold worker's build of a session under
+    pressure makes hundreds): `segment_of` of the pointer, field for field (`tests/unit/test_yields.py` compares
+    them). The pointer's id, trust and call id are the result's; it shows none of the content, so it never taints
+    the view (`ElidedSpan.taints_view`)."""
     region, budget_class, role, _, _ = _TYPE_FIELDS[ElidedSpan]
     return Segment(
-        f"{result.id}{POINTER_SUFFIX}",
+        f"{result.item_id}{POINTER_SUFFIX}",
         _POINTER,
         region,
         budget_class,

@@ -143,8 +143,9 @@ async def test_memo_holds_what_the_checkpoint_does_not_cover(
         assert memo is not None and memo.floor == covers
         assert memo.items and all(item.seq > covers for item in memo.items)
         covered = {row.payload["id"] for row in logged if row.seq <= covers}
-        assert not covered & set(memo.by_id) and not covered & set(memo.stored)
-        for render in memo.renders.values():
+        assert not covered & set(memo.by_id)
+        for key, render in memo.renders.items():
+            assert not covered & set(memo.referable[key]) and len(memo.segments[key]) == len(memo.items)
             assert all(render.lookup(item) is None for item in (parse_history_item(r.payload) for r in logged[:3]))
 
         cold = SessionActivities(store, build_providers()).state

@@ -17,7 +17,6 @@ from activities.session import SessionActivities
 from activities.session_state import SessionCache
 from activities.store import Store
 from contract.payloads import BuildInput
-from core.items import parse_history_item
 from harness.bench import cold_build
 
 pytestmark = pytest.mark.integration
@@ -39,7 +38,7 @@ async def _from_rows(store: Store, session_id: str, after: int) -> list[Any]:
     rows = await store.load_items(session_id, after)
     return _columns(
         LiveLog(
-            items=[parse_history_item(r.payload) for r in rows],
+            payloads=[r.payload for r in rows],
             renders=[r.rendered for r in rows],
             counts=[r.tokens for r in rows],
             referable=[r.referable for r in rows],
@@ -49,11 +48,8 @@ async def _from_rows(store: Store, session_id: str, after: int) -> list[Any]:
 
 
 def _memo(cache: SessionCache) -> list[Any]:
-    stored = [cache.stored[i.id] for i in cache.items]
-    return [
-        [i.model_dump() for i in cache.items],
-        [(s.text, s.tokens, s.referable, s.pointer) for s in stored],
-    ]
+    log = cache.items
+    return [[i.model_dump() for i in log], log.renders, log.counts, log.referable, log.pointers]
 
 
 async def test_full_blocks_are_sealed_and_a_read_through_them_equals_the_rows_from_any_position(pg_dsn: str) -> None:

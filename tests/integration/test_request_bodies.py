@@ -157,7 +157,7 @@ async def test_a_cold_build_under_pressure_reads_its_pointers(pg_dsn: str) -> No
         pointers = [seg for seg in built if seg.kind == "elided_span"]
         assert len(pointers) == result.plan.pointers
         for seg in pointers:
-            stored = memo.stored[seg.item_id.removesuffix("#pointer")].pointer
+            stored = memo.items.pointers[memo.items.ids.index(seg.item_id.removesuffix("#pointer"))]
             assert stored is not None and seg.text is stored["text"]  # read, not rendered again
         counter = TiktokenCounter("cl100k_base")
         rebuilt = await rebuild_session(store, session_id, lambda _: counter)

@@ -14,9 +14,9 @@ from activities.rows import LiveLog
 from activities.session_state import SessionCache
 from activities.store import _composed, _tagged
 from core.budget import ContextBudget
-from core.build import build, segment_of, segments_of
+from core.build import build, segment_of, segments_of, segments_of_logged
 from core.item_rendering import render_item
-from core.items import HistoryItem, UserMessage, WorkingStateBlock
+from core.items import ElidedSpan, HistoryItem, TrustLevel, UserMessage, WorkingStateBlock
 from core.plan import SEGMENT, Segment
 from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
 
@@ -25,7 +25,7 @@ def _log(items: list[HistoryItem], *, referable: bool = True, rendered: bool = T
     """`items` as a read of the log returns them: each with its render and count stored at write time."""
     texts = [render_item(item, SECRET) for item in items]
     return LiveLog(
-        items=items,
+        payloads=[item.model_dump(mode="json") for item in items],
         renders=texts if rendered else [None] * len(items),
         counts=[{COUNTER.name: COUNTER.count(text)} for text in texts] if rendered else [None] * len(items),
         referable=[referable] * len(items),
@@ -59,17 +59,20 @@ def test_a_cold_memo_takes_the_stored_renders_and_refers_to_them() -> None:
     cache = SessionCache(SECRET)
     cache.catch_up(_log(list(inputs.history)), -1)
     renders = cache.render_for(est)
-    assert len(renders) == len(inputs.history)  # taken, not rendered: every logged item has its segment
-    plan = build(prefix(), inputs, budget=ContextBudget(), estimator=est, secret=SECRET, cache=renders)
+    # Taken, not rendered: every logged item has its segment, and no item was made to make it.
+    assert len(cache.segments[renders.counter_key]) == len(inputs.history) and len(renders) == 0
+    assert None not in cache.segments[renders.counter_key] and cache.items.made() == 0
+    logged = inputs.model_copy(update={"history": cache.logged(renders, est, None)})
+    plan = build(prefix(), logged, budget=ContextBudget(), estimator=est, secret=SECRET, cache=renders)
     fresh = build(prefix(), inputs, budget=ContextBudget(), estimator=est, secret=SECRET)
     assert plan.segments == fresh.segments and plan.request_sha256 == fresh.request_sha256
     body_segments = plan.segments[len(prefix().segments) :]
     stored = cache.stored_form(body_segments, renders).entries
-    logged = {item.id for item in inputs.history}
-    assert _refers_to(stored, cache) == [seg.item_id if seg.item_id in logged else None for seg in body_segments]
+    ids = {item.id for item in inputs.history}
+    assert _refers_to(stored, cache) == [seg.item_id if seg.item_id in ids else None for seg in body_segments]
     assert [entry for entry in stored if _is_ref(entry)] == [{"seqs": [0, len(inputs.history) - 1]}]  # one run
     assert [entry["item_id"] for entry in stored if not _is_ref(entry)] == [
-        seg.item_id for seg in body_segments if seg.item_id not in logged
+        seg.item_id for seg in body_segments if seg.item_id not in ids
     ]
 
 
@@ -82,7 +85,7 @@ def test_only_the_segment_taken_from_a_referable_render_is_referred_to() -> None
     cache.catch_up(_log(items[:2], referable=False), -1)
     cache.catch_up(_log(items[2:]), -1)
     renders = cache.render_for(est)
-    taken = [renders.lookup(item) for item in items]
+    taken = [cache.taken(item.id, renders.counter_key) for item in items]
     assert all(seg is not None for seg in taken)
     again = segment_of(items[-1], render_item(items[-1], SECRET), taken[-1].raw_tokens)  # type: ignore[union-attr]
     assert again == taken[-1]
@@ -99,7 +102,7 @@ def test_an_item_logged_without_a_render_is_rendered_by_the_build() -> None:
     cache = SessionCache(SECRET)
     cache.catch_up(_log(items, rendered=False), -1)
     renders = cache.render_for(est)
-    assert len(renders) == 0
+    assert cache.segments[renders.counter_key] == [None] * len(items) and len(renders) == 0
     segs = [renders.segment(item, est) for item in items]
     assert not any(map(_is_ref, cache.stored_form(segs, renders).entries))
 
@@ -114,9 +117,9 @@ def test_what_a_checkpoint_covers_leaves_the_memo_and_its_references() -> None:
     covered = items[: len(items) // 2]
     cache.prune(covered[-1].seq)
     gone = {item.id for item in covered}
-    assert not gone & set(cache.by_id) and not gone & set(cache.stored)
-    assert not gone & set(cache.referable[renders.counter_key])
-    assert all(renders.lookup(item) is None for item in covered)
+    assert not gone & set(cache.by_id) and not gone & set(cache.referable[renders.counter_key])
+    assert all(cache.taken(item.id, renders.counter_key) is None for item in covered)
+    assert len(cache.segments[renders.counter_key]) == len(cache.items) == len(items) - len(covered)
     assert [item.id for item in cache.items] == [item.id for item in items[len(covered) :]]
 
 
@@ -125,7 +128,11 @@ def test_a_log_read_with_columns_of_different_lengths_is_refused() -> None:
     items = history(1)
     log = _log(items)
     short = LiveLog(
-        items=log.items, renders=log.renders[:-1], counts=log.counts, referable=log.referable, pointers=log.pointers
+        payloads=log.payloads,
+        renders=log.renders[:-1],
+        counts=log.counts,
+        referable=log.referable,
+        pointers=log.pointers,
     )
     with pytest.raises(ValueError):
         SessionCache(SECRET).catch_up(short, -1)
@@ -152,6 +159,48 @@ def test_segments_made_together_are_the_ones_made_one_by_one() -> None:
     texts = [render_item(item, SECRET) for item in mixed]
     segs = segments_of(mixed, texts, [7] * len(mixed))
     assert segs == [segment_of(i, t, 7) for i, t in zip(mixed, texts, strict=True)] and segs[3].taints
+
+
+def test_segments_made_of_stored_json_are_the_items_segments() -> None:
+    """`segments_of_logged` (a cold memo's thousands, no item made) makes each logged item's segment exactly as
+    `segment_of` makes it of the item: every kind, untrusted and tainted ones included, from the JSON as it was
+    logged (fields at their defaults left out) or in full; a kind that taints by a rule of its own is left to the
+    caller (None)."""
+    items = history(12)
+    tainted = [item.model_copy(update={"tainted": True}) for item in items[:6]]
+    untrusted = [item.model_copy(update={"trust": TrustLevel.EXTERNAL_UNTRUSTED}) for item in items[6:12]]
+    every = items + tainted + untrusted
+    assert any(s.taints for s in (segment_of(i, "", 0) for i in every))
+    texts = [render_item(item, SECRET) for item in every]
+    counts = [COUNTER.count(text) for text in texts]
+    expected = [segment_of(i, t, c) for i, t, c in zip(every, texts, counts, strict=True)]
+    for payloads in (
+        [item.model_dump(mode="json", exclude_defaults=True) | {"kind": item.kind} for item in every],
+        [item.model_dump(mode="json") for item in every],
+    ):
+        made = segments_of_logged(payloads, texts, counts)
+        assert made == expected
+        assert made is not None and [type(s.trust) for s in made] == [type(s.trust) for s in expected]
+    pointer = ElidedSpan(id="p", seq=3, trust=TrustLevel.TOOL, original_id="x", original_tokens=9, reference="item:x")
+    assert segments_of_logged([pointer.model_dump(mode="json")], ["text"], [1]) is None
+
+
+def test_a_cold_memo_makes_no_item_to_build() -> None:
+    """A memo that read the log builds a request without making an item of what it read (each is made only when a
+    caller looks into it), and an item made is the logged one."""
+    est = estimator()
+    inputs = body(turns=6)
+    cache = SessionCache(SECRET)
+    cache.catch_up(_log(list(inputs.history)), -1)
+    renders = cache.render_for(est)
+    logged = inputs.model_copy(update={"history": cache.logged(renders, est, None)})
+    plan = build(prefix(), logged, budget=ContextBudget(), estimator=est, secret=SECRET, cache=renders)
+    assert plan.segments == build(prefix(), inputs, budget=ContextBudget(), estimator=est, secret=SECRET).segments
+    assert cache.items.made() == 0
+    assert list(cache.items) == list(inputs.history)
+    last_user = max(k for k, item in enumerate(inputs.history) if isinstance(item, UserMessage))
+    assert cache.this_turn() == list(inputs.history[last_user:])
+    assert cache.item(inputs.history[2].id) == inputs.history[2] and cache.item("nope") is None
 
 
 def test_a_segment_is_a_value_and_its_json_form_gives_it_back() -> None:
@@ -183,7 +232,7 @@ def _shown(log: list[tuple[int, bool, bool, bool]]) -> tuple[SessionCache, Any, 
     shown: list[Segment] = []
     for i, (item, (_, _, show, extra)) in enumerate(zip(items, log, strict=True)):
         if show:
-            shown.append(renders.lookup(item) or renders.segment(item, est))
+            shown.append(cache.taken(item.id, renders.counter_key) or renders.segment(item, est))
         if extra:  # a segment no logged item stands for (as the turn's context is)
             shown.append(renders.segment(UserMessage(id=f"x{i}", seq=10_000 + i, text=f"context {i}"), est))
     return cache, renders, shown

@@ -282,12 +282,13 @@ PREFIX_TOKENS = _plan(BodyInputs(), 100_000).prefix_tokens
 def test_a_pointer_segment_made_without_its_item_is_the_pointer_items_segment(
     result: ToolResult, raw_tokens: int, pointer_tokens: int
 ) -> None:
-    """A build makes a pointer's segment straight from the tool result (`pointer_segment_of`: no pointer item per
-    result, which a cold worker's build under pressure makes hundreds of); it is the very segment `segment_of` makes
-    of the pointer item, for every trust, taint, call id and reference."""
+    """A build makes a pointer's segment straight from the tool result's segment (`pointer_segment_of`: no result
+    or pointer item per result, which a cold worker's build under pressure makes hundreds of); it is the very
+    segment `segment_of` makes of the pointer item, for every trust, taint, call id and reference."""
     pointer = pointer_for(result, raw_tokens)
     text = render_item(pointer, f.SECRET)
-    assert pointer_segment_of(result, text, pointer_tokens) == segment_of(pointer, text, pointer_tokens)
+    result_seg = segment_of(result, render_item(result, f.SECRET), raw_tokens)
+    assert pointer_segment_of(result_seg, text, pointer_tokens) == segment_of(pointer, text, pointer_tokens)
 
 
 def test_forgetting_the_items_a_checkpoint_covers_forgets_their_pointers() -> None:
