@@ -401,38 +401,37 @@ class SessionCache:
         So a cold worker's first body, which shows thousands of logged items in log order, stores a few entries
         (docs/operations.md, "Schema and migrations")."""
         refs = self.referable.get(renders.counter_key, {})
-        # Which segments are referable, in C-level passes (a cold worker's first body refers to thousands); a
-        # loop over them makes the runs.
+        # In C-level passes (a cold worker's first body refers to thousands): which segments are referable, their
+        # log positions, and which go on the run of the one before (referable both, at consecutive positions).
         ids = list(map(_item_id, segments))
-        referred = map(operator.is_, map(refs.get, ids), segments)
-        by_id = self.by_id
+        referred = list(map(operator.is_, map(refs.get, ids), segments))
+        seqs = list(map(self.by_id.get, ids, repeat(-2)))  # -2: not logged (never referred to)
+        follows = [
+            False,
+            *map(
+                operator.and_,
+                map(operator.and_, referred[1:], referred[:-1]),
+                map(operator.eq, seqs[1:], map(operator.add, seqs[:-1], repeat(1))),
+            ),
+        ]
         form = StoredForm([], [], [])
         entries, spans, ends = form
-        run: list[Any] = []  # the open run: its first item's id, its first and last log positions
-        count = 0  # the segments before the one visited
-
-        def close_run() -> None:
-            if run:
-                entries.append(_reference(*run))
-                spans.append((run[0], run[1], run[2]))
-                ends.append(count)
-                run.clear()
-
-        for item_id, is_ref, seg in zip(ids, referred, segments, strict=True):
-            if not is_ref:
-                close_run()
-                entries.append(self.json_of(seg))
+        at, n = 0, len(segments)
+        while at < n:
+            if not referred[at]:
+                entries.append(self.json_of(segments[at]))
                 spans.append(None)
-                ends.append(count + 1)
-            else:
-                seq = by_id[item_id]
-                if run and seq == run[2] + 1:
-                    run[2] = seq
-                else:
-                    close_run()
-                    run.extend((item_id, seq, seq))
-            count += 1
-        close_run()
+                at += 1
+            else:  # a run: up to the next segment that does not go on it (found in C)
+                try:
+                    end = follows.index(False, at + 1)
+                except ValueError:
+                    end = n
+                span = (ids[at], seqs[at], seqs[end - 1])
+                entries.append(_reference(*span))
+                spans.append(span)
+                at = end
+            ends.append(at)
         return form
 
     def resolved(self, session_id: str, body: list[dict[str, Any]]) -> list[ProviderSegment] | None:
