@@ -1,10 +1,10 @@
 """A worker's memo of a session's log (`SessionCache.items`): the logged items a request can still show, in log
-order, as columns; each item parsed only when a caller looks into it.
+order, as columns; each item made only when a caller looks into it.
 
 A worker that has not seen a session reads thousands of logged items at once. Their segments are made from their
-stored JSON and renders column by column (`core.build.segments_of_logged`), and only the few items an activity
-looks into (the turn's, a tool call's, a result whose pointer was not stored) are made: making each one costs a
-cold build more than everything else it does with the item.
+heads and renders column by column (`core.build.segments_of_logged`), and only the few items an activity looks
+into (the turn's, a tool call's, a result whose pointer was not stored) are made: making each one costs a cold
+build more than everything else it does with the item.
 """
 
 from __future__ import annotations
@@ -14,29 +14,58 @@ from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Any, overload
 
-from activities.rows import LiveLog
+from activities.rows import ItemSource, LiveLog, items_of
 from core.items import HistoryItem, parse_history_item
-
-_seq, _id, _kind = map(operator.itemgetter, ("seq", "id", "kind"))
 
 
 class MemoLog(Sequence[HistoryItem]):
-    """Logged items in log order: their positions, ids and kinds, each one's stored JSON (a dict) and the item made
-    of it the first time a caller asks for it (`item`)."""
+    """Logged items in log order, column by column (`LiveLog`'s): their positions and heads, what each is made of
+    and what was stored with it; and each item made the first time a caller asks for it (`item`)."""
 
-    __slots__ = ("_items", "_payloads", "counts", "ids", "kinds", "pointers", "referable", "renders", "seqs")
+    __slots__ = (
+        "_items",
+        "call_ids",
+        "counts",
+        "ids",
+        "kinds",
+        "pointers",
+        "referable",
+        "renders",
+        "seqs",
+        "sources",
+        "taints",
+        "trusts",
+    )
 
     def __init__(self) -> None:
         self.seqs: list[int] = []
         self.ids: list[str] = []
         self.kinds: list[str] = []
-        self._payloads: list[dict[str, Any]] = []
+        self.trusts: list[str] = []
+        self.call_ids: list[str | None] = []
+        self.taints: list[bool | None] = []
+        self.sources: list[ItemSource] = []
         self._items: list[HistoryItem | None] = []
-        # What was stored with each when it was logged (`LiveLog`); a count missing is an empty dict.
         self.renders: list[str | None] = []
-        self.counts: list[dict[str, int]] = []
+        self.counts: list[dict[str, int]] = []  # a count missing is an empty dict
         self.referable: list[bool] = []
         self.pointers: list[dict[str, Any] | None] = []
+
+    def _columns(self) -> tuple[list[Any], ...]:
+        return (
+            self.seqs,
+            self.ids,
+            self.kinds,
+            self.trusts,
+            self.call_ids,
+            self.taints,
+            self.sources,
+            self._items,
+            self.renders,
+            self.counts,
+            self.referable,
+            self.pointers,
+        )
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -56,32 +85,53 @@ class MemoLog(Sequence[HistoryItem]):
         return map(self.item, range(len(self.seqs)))
 
     def item(self, k: int) -> HistoryItem:
-        """The item at index `k`, made of its stored JSON the first time."""
+        """The item at index `k`, made of its source the first time (with the rest of its run)."""
+        k = range(len(self.seqs))[k]  # a negative index counts from the end
         made = self._items[k]
-        if made is None:
-            made = self._items[k] = parse_history_item(self._payloads[k])
+        if made is not None:
+            return made
+        source = self.sources[k]
+        if isinstance(source, dict):
+            made = self._items[k] = parse_history_item(source)
+            return made
+        # Every item of the run the memo still holds (a checkpoint may have covered its head).
+        base = k - (self.seqs[k] - source[1])
+        for j, item in enumerate(items_of(source)):
+            if 0 <= base + j < len(self._items) and self.sources[base + j] is source:
+                self._items[base + j] = item
+        made = self._items[k]
+        assert made is not None and made.seq == self.seqs[k], (k, self.seqs[k])
         return made
 
     def made(self) -> int:
         """How many of the items held were made (a caller looked into them)."""
         return sum(map(operator.is_not, self._items, repeat(None)))
 
-    def payloads(self, start: int, stop: int) -> list[dict[str, Any]]:
-        """The stored JSON of the items at `start`..`stop - 1`."""
-        return self._payloads[start:stop]
-
     def extend(self, rows: LiveLog) -> None:
-        """Items logged after the last one held, as read (their stored JSON, as dicts, and renders)."""
-        payloads = rows.payloads
-        columns = (rows.renders, rows.counts, rows.referable, rows.pointers)
-        if any(len(column) != len(payloads) for column in columns):
-            lengths = [len(payloads), *(len(column) for column in columns)]
+        """Items logged after the last one held, as read."""
+        columns = (
+            rows.ids,
+            rows.kinds,
+            rows.trusts,
+            rows.call_ids,
+            rows.taints,
+            rows.sources,
+            rows.renders,
+            rows.counts,
+            rows.referable,
+            rows.pointers,
+        )
+        if any(len(column) != len(rows.seqs) for column in columns):
+            lengths = [len(rows.seqs), *(len(column) for column in columns)]
             raise ValueError(f"a log read with columns of different lengths: {lengths}")
-        self.seqs += map(_seq, payloads)
-        self.ids += map(_id, payloads)
-        self.kinds += map(_kind, payloads)
-        self._payloads += payloads
-        self._items += [None] * len(payloads)
+        self.seqs += rows.seqs
+        self.ids += rows.ids
+        self.kinds += rows.kinds
+        self.trusts += rows.trusts
+        self.call_ids += rows.call_ids
+        self.taints += rows.taints
+        self.sources += rows.sources
+        self._items += [None] * len(rows.seqs)
         self.renders += rows.renders
         self.counts += rows.counts if None not in rows.counts else [c or {} for c in rows.counts]  # type: ignore[arg-type]
         self.referable += rows.referable
@@ -89,6 +139,5 @@ class MemoLog(Sequence[HistoryItem]):
 
     def drop_head(self, k: int) -> None:
         """Forget the first `k` items."""
-        for column in (self.seqs, self.ids, self.kinds, self._payloads, self._items, self.renders, self.counts):
+        for column in self._columns():
             del column[:k]
-        del self.referable[:k], self.pointers[:k]

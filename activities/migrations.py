@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+ITEM_BLOCK = 256  # the items a sealed block holds (migration 7)
+
+# An item's head (migration 8): its id, kind, trust, call id and segment's taint, as the text of a flat JSON list's
+# five elements (no brackets), so heads joined by commas are one flat list (`activities.store._live`).
+ITEM_HEAD = (
+    "concat_ws(',', to_json(item_id), to_json(kind), to_json(trust), coalesce(payload->'call_id', 'null'), "
+    "coalesce(segment->'taints', 'null'))"
+)
+
 MIGRATIONS: tuple[str, ...] = (
     # 1: the session log and everything a request is rebuilt from
     """
@@ -234,5 +243,30 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TRIGGER items_seal_block AFTER INSERT ON items FOR EACH ROW WHEN (NEW.seq % 256 = 255)
         EXECUTE FUNCTION items_seal_block();
     SELECT item_block_seal(session_id, seq - 255) FROM items WHERE seq % 256 = 255;
+    """,
+    # 8: each block also holds its items' heads (docs/operations.md, "Schema and migrations"): per item its id,
+    # kind, trust, call id and whether its segment taints the view (null: no segment stored), as a flat JSON
+    # list's text, so a worker that has not seen the session makes the items' segments from the heads and their
+    # renders, and makes an item of a block's payloads only when a caller looks into it; the blocks sealed before
+    # this migration get theirs from their items
+    f"""
+    ALTER TABLE item_blocks ADD COLUMN IF NOT EXISTS heads text;
+    CREATE OR REPLACE FUNCTION item_block_seal(sid text, first integer) RETURNS void LANGUAGE sql AS $$
+        INSERT INTO item_blocks (session_id, first_seq, last_seq, payloads, renders, counts, referable, pointers, heads)
+        SELECT sid, first, first + 255,
+               string_agg(payload::text, ',' ORDER BY seq),
+               string_agg(coalesce(to_json(rendered)::text, 'null'), ',' ORDER BY seq),
+               string_agg(coalesce(tokens::text, 'null'), ',' ORDER BY seq),
+               string_agg(CASE WHEN segment IS NULL THEN 'false' ELSE 'true' END, ',' ORDER BY seq),
+               string_agg(coalesce(pointer::text, 'null'), ',' ORDER BY seq),
+               string_agg({ITEM_HEAD}, ',' ORDER BY seq)
+        FROM items WHERE session_id = sid AND seq BETWEEN first AND first + 255
+        HAVING count(*) = 256
+        ON CONFLICT DO NOTHING
+    $$;
+    UPDATE item_blocks b SET heads = (
+        SELECT string_agg({ITEM_HEAD}, ',' ORDER BY seq) FROM items
+        WHERE items.session_id = b.session_id AND items.seq BETWEEN b.first_seq AND b.last_seq
+    ) WHERE b.heads IS NULL;
     """,
 )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from core.items import HistoryItem, parse_history_item
+from core.items import HistoryItem, parse_history_item, parse_history_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +49,18 @@ class LoggedItem:
 @dataclass(frozen=True, slots=True)
 class LiveLog:
     """Logged items as a worker's memo reads them (`Store.load_live_items` and the activities' reads), in log
-    order: each item's stored JSON, parsed to a dict (validated when it was logged; the memo makes it an item
-    when a caller looks into it), with what was stored with it when it was logged (`LoggedItem` is one row as
-    JSON). Columns, not an object per row: a worker that has not seen the session reads thousands of them."""
+    order: each item's position and head (id, kind, trust, call id, and its segment's taint: None when no segment
+    was stored), what its item is made of (`ItemSource`: the memo makes it when a caller looks into it), and what
+    was stored with it when it was logged (`LoggedItem` is one row as JSON). Columns, not an object per row: a
+    worker that has not seen the session reads thousands of them."""
 
-    payloads: list[dict[str, Any]] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    trusts: list[str] = field(default_factory=list)
+    call_ids: list[str | None] = field(default_factory=list)
+    taints: list[bool | None] = field(default_factory=list)
+    sources: list[ItemSource] = field(default_factory=list)
     renders: list[str | None] = field(default_factory=list)  # each one's segment text (None: not stored)
     counts: list[dict[str, int] | None] = field(default_factory=list)  # its raw token count per counter key
     # Whether its segment's other fields were stored too: a request body may refer to it.
@@ -61,10 +68,55 @@ class LiveLog:
     # A tool result's pointer render: {"text", "tokens" per counter key}.
     pointers: list[dict[str, Any] | None] = field(default_factory=list)
 
+    @classmethod
+    def of_payloads(
+        cls,
+        payloads: list[dict[str, Any]],
+        segments: list[dict[str, Any] | None],
+        renders: list[str | None],
+        counts: list[dict[str, int] | None],
+        pointers: list[dict[str, Any] | None],
+    ) -> LiveLog:
+        """Logged items from their JSON (dicts, `seq` set) and their stored segments' other fields (`ItemRender`'s
+        `segment`; None: not stored)."""
+        stored = [s or {} for s in segments]
+        return cls(
+            seqs=[p["seq"] for p in payloads],
+            ids=[p["id"] for p in payloads],
+            kinds=[p["kind"] for p in payloads],
+            trusts=[p["trust"] for p in payloads],
+            call_ids=[p.get("call_id") for p in payloads],
+            taints=[s.get("taints") for s in stored],
+            sources=list(payloads),
+            renders=renders,
+            counts=counts,
+            referable=[s is not None for s in segments],
+            pointers=pointers,
+        )
+
     @property
     def items(self) -> list[HistoryItem]:
-        """Each logged item, made of its stored JSON."""
-        return [parse_history_item(p) for p in self.payloads]
+        """Each logged item, made of its source."""
+        made: dict[int, list[HistoryItem]] = {}
+        out: list[HistoryItem] = []
+        for seq, source in zip(self.seqs, self.sources, strict=True):
+            if isinstance(source, dict):
+                out.append(parse_history_item(source))
+            else:
+                run = made.get(id(source)) or made.setdefault(id(source), items_of(source))
+                out.append(run[seq - source[1]])
+        return out
+
+
+# What a logged item is made of: its JSON as a dict, or the JSON texts of a run of items at consecutive positions
+# (a block's, or one row's) joined by commas and the run's first position (`items_of`). The items of one block
+# share one source, so the first of them a caller looks into makes them all, in one pass.
+ItemSource = dict[str, Any] | tuple[str, int]
+
+
+def items_of(source: tuple[str, int]) -> list[HistoryItem]:
+    """The items of a run's source, in log order."""
+    return parse_history_json([source[0]])
 
 
 @dataclass(frozen=True, slots=True)

@@ -339,12 +339,19 @@ class SessionCache:
         stop = len(log)
         counts: list[int | None] = list(map(dict.get, log.counts[start:stop], repeat(key)))
         texts = log.renders[start:stop]
-        payloads = log.payloads(start, stop)
         segs: list[Segment | None] | None = None
         if None not in counts and None not in texts:
-            made = segments_of_logged(payloads, cast(list[str], texts), cast(list[int], counts))
+            made = segments_of_logged(
+                log.ids[start:stop],
+                log.kinds[start:stop],
+                log.trusts[start:stop],
+                log.call_ids[start:stop],
+                log.taints[start:stop],
+                cast(list[str], texts),
+                cast(list[int], counts),
+            )
             segs = cast(list[Segment | None] | None, made)
-        if segs is None:  # some were logged before renders were stored, or taint their own way
+        if segs is None:  # some were logged before renders (or segments) were stored: made of their items
             segs = [
                 None if count is None or text is None else segment_of(log.item(start + k), text, count)
                 for k, (text, count) in enumerate(zip(texts, counts, strict=True))
@@ -355,36 +362,36 @@ class SessionCache:
             zip(compress(log.ids[start:stop], referable), cast(list[Segment], compress(segs, referable)), strict=True)
         )
         # The tool results' pointers this counter counted (only a tool result is stored with one).
+        stored = log.pointers[start:stop]
         pointed = [
-            (k, p)
-            for k, p in zip(range(start, stop), log.pointers[start:stop], strict=True)
-            if p is not None and log.kinds[k] == _TOOL_RESULT and key in p["tokens"] and segs[k - start] is not None
+            k
+            for k in compress(range(start, stop), stored)
+            if log.kinds[k] == _TOOL_RESULT and key in log.pointers[k]["tokens"] and segs[k - start] is not None  # type: ignore[index]
         ]
         if pointed:
             cache.adopt_pointers(
-                [log.ids[k] for k, _ in pointed],
-                [cast(Segment, segs[k - start]).raw_tokens for k, _ in pointed],
-                [p["text"] for _, p in pointed],
-                [p["tokens"][key] for _, p in pointed],
+                [log.ids[k] for k in pointed],
+                [cast(Segment, segs[k - start]).raw_tokens for k in pointed],
+                [cast(dict[str, Any], log.pointers[k])["text"] for k in pointed],
+                [cast(dict[str, Any], log.pointers[k])["tokens"][key] for k in pointed],
             )
 
     def join(self, rows: LiveLog) -> None:
         """Logged items (`rows`, in log order, after what the memo holds) join the memo of the log, their stored
         renders taken by every render memo of their counters."""
-        payloads = rows.payloads
         log = self.items
         start = len(log)
         log.extend(rows)
-        if not payloads:
+        if not rows.seqs:
             return
         self.max_seq = log.seqs[-1]
-        self.by_id.update(zip(log.ids[start:], log.seqs[start:], strict=True))
+        self.by_id.update(zip(rows.ids, rows.seqs, strict=True))
         open_calls = self.open_calls
         # Only the calls and results, picked in a C-level pass.
-        for k in compress(range(start, len(log)), map(_PAIRED.__contains__, log.kinds[start:])):
-            call_id = payloads[k - start]["call_id"]
-            if log.kinds[k] == "tool_call":
-                open_calls[call_id] = log.seqs[k]
+        for k in compress(range(len(rows.seqs)), map(_PAIRED.__contains__, rows.kinds)):
+            call_id = cast(str, rows.call_ids[k])
+            if rows.kinds[k] == "tool_call":
+                open_calls[call_id] = rows.seqs[k]
             else:
                 open_calls.pop(call_id, None)
                 self.covered_calls.pop(call_id, None)
@@ -669,11 +676,11 @@ class SessionState:
         next read brings them."""
         if items and seqs == list(range(cache.max_seq + 1, cache.max_seq + 1 + len(items))):
             cache.join(
-                LiveLog(
-                    payloads=[{**data, "seq": seq} for data, seq in zip(items, seqs, strict=True)],
+                LiveLog.of_payloads(
+                    [{**data, "seq": seq} for data, seq in zip(items, seqs, strict=True)],
+                    segments=[r.segment for r in renders],
                     renders=[r.text for r in renders],
                     counts=[r.tokens for r in renders],
-                    referable=[True] * len(renders),
                     pointers=[r.pointer for r in renders],
                 )
             )

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 from pydantic_core import from_json
 
-from activities.migrations import MIGRATIONS
+from activities.migrations import ITEM_BLOCK, ITEM_HEAD, MIGRATIONS
 from activities.rows import (
     CallReads,
     EpochPrefix,
     ItemRender,
+    ItemSource,
     LiveLog,
     LoggedItem,
     MemoryCandidate,
@@ -71,19 +72,24 @@ def _live_log(after: str) -> str:
     """The lateral subquery `log`: session $1's items after position `after`, in log order: the sealed blocks
     that begin after it (`item_blocks`: what a memo reads of 256 items, as JSON text, one row each) and the rows of
     the items no such block holds (`head` of them before the blocks, the rest after), as parallel arrays (each
-    payload as JSON text, parsed in one pass: arrays cost PostgreSQL and the client a fraction of what a JSON
-    aggregate of the rows costs). Select `LIVE_LOG_COLUMNS`; read them with `_live`.
+    payload as JSON text: arrays cost PostgreSQL and the client a fraction of what a JSON aggregate of the rows
+    costs). Each item's head (`ITEM_HEAD`) comes as one flat list's text, the blocks' and the rows' apart; each
+    block's payloads as one text, with its first position. Select `LIVE_LOG_COLUMNS`; read them with `_live`.
 
     Only the unbroken run of blocks from the first one is read as blocks: should a block be missing from the
-    middle (the trigger seals every one, but the table is derived state an operator may clear), the items from
-    the gap on are read as rows, never skipped. The rows are read by two ranges of the index, before the blocks
+    middle (the trigger seals every one, but the table is derived state an operator may clear) or have no heads
+    (sealed before migration 8, which gives them theirs), the items from the gap on are read as rows, never
+    skipped. The rows are read by two ranges of the index, before the blocks
     and after them: a read touches the rows outside the blocks, not the session's whole log."""
     return f"""LEFT JOIN LATERAL (
-  SELECT r.*, b.payloads AS block_payloads, b.renders AS block_renders, b.counts AS block_counts,
-         b.referable AS block_referable, b.pointers AS block_pointers
+  SELECT r.*, b.payloads AS block_payloads, b.firsts AS block_firsts, b.heads AS block_heads,
+         b.renders AS block_renders, b.counts AS block_counts, b.referable AS block_referable,
+         b.pointers AS block_pointers
   FROM (
     SELECT min(first_seq) AS first_seq, max(last_seq) AS last_seq,
-           string_agg(payloads, ',' ORDER BY first_seq) AS payloads,
+           array_agg(payloads ORDER BY first_seq) AS payloads,
+           array_agg(first_seq ORDER BY first_seq) AS firsts,
+           string_agg(heads, ',' ORDER BY first_seq) AS heads,
            string_agg(renders, ',' ORDER BY first_seq) AS renders,
            string_agg(counts, ',' ORDER BY first_seq) AS counts,
            string_agg(referable, ',' ORDER BY first_seq) AS referable,
@@ -91,11 +97,12 @@ def _live_log(after: str) -> str:
     FROM (
       SELECT x.*, min(x.first_seq) OVER () + (row_number() OVER (ORDER BY x.first_seq) - 1)
                   * (x.last_seq - x.first_seq + 1) AS unbroken_at
-      FROM item_blocks x WHERE x.session_id = $1 AND x.first_seq > {after}
+      FROM item_blocks x WHERE x.session_id = $1 AND x.first_seq > {after} AND x.heads IS NOT NULL
     ) x WHERE x.first_seq = x.unbroken_at
   ) b, LATERAL (
-    SELECT count(*) FILTER (WHERE i.seq < b.first_seq) AS head,
-           array_agg(i.payload::text ORDER BY i.seq) AS payloads, array_agg(i.rendered ORDER BY i.seq) AS renders,
+    SELECT count(*) FILTER (WHERE i.seq < b.first_seq) AS head, array_agg(i.seq ORDER BY i.seq) AS seqs,
+           array_agg(i.payload::text ORDER BY i.seq) AS payloads,
+           string_agg({ITEM_HEAD}, ',' ORDER BY i.seq) AS heads, array_agg(i.rendered ORDER BY i.seq) AS renders,
            json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable,
            json_agg(i.pointer ORDER BY i.seq) AS pointers
     FROM items i WHERE i.session_id = $1
@@ -104,8 +111,9 @@ def _live_log(after: str) -> str:
 ) log ON true"""
 
 
-LIVE_LOG_COLUMNS = """log.head, log.payloads, log.renders, log.counts, log.referable, log.pointers,
-  log.block_payloads, log.block_renders, log.block_counts, log.block_referable, log.block_pointers"""
+LIVE_LOG_COLUMNS = """log.head, log.seqs, log.payloads, log.heads, log.renders, log.counts, log.referable, log.pointers,
+  log.block_payloads, log.block_firsts, log.block_heads, log.block_renders, log.block_counts, log.block_referable,
+  log.block_pointers"""
 
 
 # The log a worker's memo needs ($2: the position it holds): what the latest checkpoint does not cover.
@@ -1096,23 +1104,37 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
 
 
 def _live(row: Mapping[str, Any]) -> LiveLog:
-    """The log read by `_live_log`, parsed: the rows before the blocks, the blocks, the rows after them; the
-    payloads to dicts in one pass, the blocks' other columns each in one pass, the rows' as they came."""
-    payloads = row["payloads"] or []
-    block = row["block_payloads"]
-    if block is None and not payloads:
+    """The log read by `_live_log`, parsed: the rows before the blocks, the blocks, the rows after them. The heads
+    in one pass (a flat list, five elements an item), the blocks' other columns each in one pass, the rows' as
+    they came; the payloads are not parsed (each block's, and each row's, is its items' source)."""
+    seqs = row["seqs"] or []
+    firsts = row["block_firsts"] or []
+    if not firsts and not seqs:
         return LiveLog()
     head = int(row["head"])  # 0 without blocks
-    texts = payloads if block is None else [*payloads[:head], block, *payloads[head:]]
 
     def around(rows: list[Any] | None, blocks: str | None) -> list[Any]:
         rows = rows or []
         return rows if blocks is None else [*rows[:head], *from_json("[" + blocks + "]"), *rows[head:]]
 
+    row_sources = [(text, seq) for text, seq in zip(row["payloads"] or [], seqs, strict=True)]
+    block_seqs: list[int] = []
+    block_sources: list[ItemSource] = []
+    for text, first in zip(row["block_payloads"] or [], firsts, strict=True):
+        block_seqs += range(first, first + ITEM_BLOCK)
+        block_sources += [(text, first)] * ITEM_BLOCK
+    # The rows' heads, then the blocks': one flat list, parsed in one pass and put in log order.
+    heads = from_json("[" + ",".join(filter(None, (row["heads"], row["block_heads"]))) + "]")
+    row_heads, block_heads = heads[: 5 * len(seqs)], heads[5 * len(seqs) :]
+    around_heads = [*row_heads[: 5 * head], *block_heads, *row_heads[5 * head :]]
     return LiveLog(
-        # A block's payloads are its items' JSON texts joined by commas: one more text of the joined list, parsed
-        # to dicts in one pass (the memo makes an item of one when a caller looks into it).
-        payloads=from_json("[" + ",".join(texts) + "]"),
+        seqs=[*seqs[:head], *block_seqs, *seqs[head:]],
+        ids=around_heads[0::5],
+        kinds=around_heads[1::5],
+        trusts=around_heads[2::5],
+        call_ids=around_heads[3::5],
+        taints=around_heads[4::5],
+        sources=[*row_sources[:head], *block_sources, *row_sources[head:]],
         renders=around(row["renders"], row["block_renders"]),
         counts=around(row["counts"], row["block_counts"]),
         referable=around(row["referable"], row["block_referable"]),

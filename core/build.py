@@ -397,21 +397,39 @@ def segments_of(items: Sequence[Item], texts: Sequence[str], counts: Sequence[in
 
 
 def segments_of_logged(
-    payloads: Sequence[dict[str, Any]], texts: Sequence[str], counts: Sequence[int]
+    ids: Sequence[str],
+    kinds: Sequence[str],
+    trusts: Sequence[str],
+    call_ids: Sequence[str | None],
+    taints: Sequence[bool | None],
+    texts: Sequence[str],
+    counts: Sequence[int],
 ) -> list[Segment] | None:
-    """Each logged item's segment, as `segment_of` makes it of the item, from the item's stored JSON (`payloads`,
-    parsed to dicts, validated when it was logged) without making the item: a worker that has not seen a session
-    makes thousands. None when an item is of a kind that does not taint by the base rule (the caller makes it)."""
-    kinds = list(map(_kind_field, payloads))
+    """Each logged item's segment, as `segment_of` makes it of the item, from the item's head as stored with it
+    (its id, kind, trust, call id and its segment's taint, which `segment_of` gave when it was logged) without
+    making the item: a worker that has not seen a session makes thousands, column by column. None when a taint was
+    not stored or a kind is not a logged one (the caller makes those items)."""
     by_kind: list[Any] = list(map(_LOGGED_TYPES.get, kinds))
-    if None in by_kind:
+    if None in by_kind or None in taints:
         return None
-    fields: list[Any] = list(map(_TYPE_FIELDS.__getitem__, by_kind))
-    if not all(map(_base_taint, fields)):
-        return None
-    # A field left out of the stored JSON is the type's default (only `trust` and `tainted` have one here).
-    trusts = list(map(_TRUST.__getitem__, map(dict.get, payloads, repeat("trust"), map(_DEFAULT_TRUST.get, kinds))))
-    return _segments(payloads, fields, trusts, texts, counts)
+    fields = list(map(_TYPE_FIELDS.__getitem__, by_kind))
+    # A stored taint means the item was validated when it was logged (a segment was made of it): only the kinds
+    # that pair have a call id there (items forbid other fields), as in `segment_of`.
+    return list(
+        map(
+            Segment,
+            ids,
+            kinds,
+            map(_first, fields),
+            map(_second, fields),
+            map(_third, fields),
+            map(_TRUST.__getitem__, trusts),
+            texts,
+            counts,
+            call_ids,
+            taints,
+        )
+    )
 
 
 def _segments(
@@ -447,11 +465,6 @@ def _segments(
 
 _LOGGED_TYPES: dict[str, type[Item]] = {t.model_fields["kind"].default: t for t in get_args(HistoryItem)}
 _TRUST = {level.value: level for level in TrustLevel}
-_DEFAULT_TRUST = {
-    kind: t.model_fields["trust"].default
-    for kind, t in _LOGGED_TYPES.items()
-    if isinstance(t.model_fields["trust"].default, TrustLevel)
-}
 
 
 def open_prefix(

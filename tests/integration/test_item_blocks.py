@@ -17,6 +17,9 @@ from activities.session import SessionActivities
 from activities.session_state import SessionCache
 from activities.store import Store
 from contract.payloads import BuildInput
+from core.build import segment_of
+from core.items import parse_history_item
+from core.plan import SEGMENT
 from harness.bench import cold_build
 
 pytestmark = pytest.mark.integration
@@ -30,18 +33,24 @@ async def _blocks(store: Store, session_id: str) -> list[tuple[int, int]]:
 
 
 def _columns(log: LiveLog) -> list[Any]:
-    return [[i.model_dump() for i in log.items], log.renders, log.counts, log.referable, log.pointers]
+    heads = [log.seqs, log.ids, log.kinds, log.trusts, log.call_ids, log.taints]
+    return [[i.model_dump() for i in log.items], *heads, log.renders, log.counts, log.referable, log.pointers]
 
 
 async def _from_rows(store: Store, session_id: str, after: int) -> list[Any]:
     """The log after `after` from the items' own rows (`load_items`), in the memo's columns."""
     rows = await store.load_items(session_id, after)
+    # The segment's other fields stored with a referable item are the ones `segment_of` makes of it.
+    segments = [
+        SEGMENT.dump_python(segment_of(parse_history_item(r.payload), "", 0), mode="json") if r.referable else None
+        for r in rows
+    ]
     return _columns(
-        LiveLog(
-            payloads=[r.payload for r in rows],
+        LiveLog.of_payloads(
+            [r.payload for r in rows],
+            segments=segments,
             renders=[r.rendered for r in rows],
             counts=[r.tokens for r in rows],
-            referable=[r.referable for r in rows],
             pointers=[r.pointer for r in rows],
         )
     )
@@ -49,7 +58,8 @@ async def _from_rows(store: Store, session_id: str, after: int) -> list[Any]:
 
 def _memo(cache: SessionCache) -> list[Any]:
     log = cache.items
-    return [[i.model_dump() for i in log], log.renders, log.counts, log.referable, log.pointers]
+    heads = [log.seqs, log.ids, log.kinds, log.trusts, log.call_ids, log.taints]
+    return [[i.model_dump() for i in log], *heads, log.renders, log.counts, log.referable, log.pointers]
 
 
 async def test_full_blocks_are_sealed_and_a_read_through_them_equals_the_rows_from_any_position(pg_dsn: str) -> None:
@@ -154,16 +164,22 @@ async def test_workers_that_have_not_seen_the_session_read_it_through_the_blocks
 
 
 async def test_the_migration_seals_the_blocks_of_items_logged_before_it(pg_dsn: str) -> None:
-    """The session's blocks removed (items logged before migration 7), the migration run again seals them as the
-    trigger had, byte for byte; it is re-runnable."""
+    """The session's blocks removed (items logged before migration 7), the migrations run again seal them as the
+    trigger had, byte for byte, heads included (migration 8 gives the blocks sealed before it their heads; until
+    then they are read as rows); they are re-runnable."""
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, _ = await cold_build.seed(store, 600)
         sealed = [dict(r) for r in await store.pool.fetch(SQL_BLOCKS, session_id)]
         assert [(r["first_seq"], r["last_seq"]) for r in sealed] == [(0, 255), (256, 511)]
+        assert all(r["heads"] for r in sealed)
         await store.pool.execute("DELETE FROM item_blocks WHERE session_id = $1", session_id)
         _, rows_only = await store.load_live_items(session_id)
-        await store.pool.execute(MIGRATIONS[6])
+        await store.pool.execute(MIGRATIONS[6])  # seals the blocks as migration 7's trigger did: no heads
+        assert [r["heads"] for r in await store.pool.fetch(SQL_BLOCKS, session_id)] == [None, None]
+        _, without_heads = await store.load_live_items(session_id)
+        assert _columns(without_heads) == _columns(rows_only)
+        await store.pool.execute(MIGRATIONS[7])
         assert [dict(r) for r in await store.pool.fetch(SQL_BLOCKS, session_id)] == sealed
         _, through_blocks = await store.load_live_items(session_id)
         assert _columns(through_blocks) == _columns(rows_only)

@@ -4,6 +4,7 @@ segments taken from referable stored renders, and what a checkpoint covers leave
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,19 +17,21 @@ from activities.store import _composed, _tagged
 from core.budget import ContextBudget
 from core.build import build, segment_of, segments_of, segments_of_logged
 from core.item_rendering import render_item
-from core.items import ElidedSpan, HistoryItem, TrustLevel, UserMessage, WorkingStateBlock
+from core.items import HistoryItem, TrustLevel, UserMessage, WorkingStateBlock
 from core.plan import SEGMENT, Segment
 from tests.unit.factories import COUNTER, SECRET, body, estimator, history, prefix
 
 
 def _log(items: list[HistoryItem], *, referable: bool = True, rendered: bool = True) -> LiveLog:
-    """`items` as a read of the log returns them: each with its render and count stored at write time."""
+    """`items` as a read of the log returns them: each with its render, count and segment's other fields stored at
+    write time (or without them)."""
     texts = [render_item(item, SECRET) for item in items]
-    return LiveLog(
-        payloads=[item.model_dump(mode="json") for item in items],
+    segments = [SEGMENT.dump_python(segment_of(item, "", 0), mode="json") for item in items]
+    return LiveLog.of_payloads(
+        [item.model_dump(mode="json") for item in items],
+        segments=segments if referable else [None] * len(items),
         renders=texts if rendered else [None] * len(items),
         counts=[{COUNTER.name: COUNTER.count(text)} for text in texts] if rendered else [None] * len(items),
-        referable=[referable] * len(items),
         pointers=[None] * len(items),
     )
 
@@ -127,13 +130,7 @@ def test_a_log_read_with_columns_of_different_lengths_is_refused() -> None:
     """The columns of one read are one row each: a short column is a defect, not a silently shorter log."""
     items = history(1)
     log = _log(items)
-    short = LiveLog(
-        payloads=log.payloads,
-        renders=log.renders[:-1],
-        counts=log.counts,
-        referable=log.referable,
-        pointers=log.pointers,
-    )
+    short = dataclasses.replace(log, renders=log.renders[:-1])
     with pytest.raises(ValueError):
         SessionCache(SECRET).catch_up(short, -1)
 
@@ -161,28 +158,28 @@ def test_segments_made_together_are_the_ones_made_one_by_one() -> None:
     assert segs == [segment_of(i, t, 7) for i, t in zip(mixed, texts, strict=True)] and segs[3].taints
 
 
-def test_segments_made_of_stored_json_are_the_items_segments() -> None:
+def test_segments_made_of_stored_heads_are_the_items_segments() -> None:
     """`segments_of_logged` (a cold memo's thousands, no item made) makes each logged item's segment exactly as
-    `segment_of` makes it of the item: every kind, untrusted and tainted ones included, from the JSON as it was
-    logged (fields at their defaults left out) or in full; a kind that taints by a rule of its own is left to the
-    caller (None)."""
+    `segment_of` makes it of the item, from the head stored with it (id, kind, trust, call id, and the taint of the
+    segment made when it was logged): every kind, untrusted and tainted ones included. An item logged without its
+    segment (no taint stored), or of a kind that is not logged, is left to the caller (None)."""
     items = history(12)
     tainted = [item.model_copy(update={"tainted": True}) for item in items[:6]]
     untrusted = [item.model_copy(update={"trust": TrustLevel.EXTERNAL_UNTRUSTED}) for item in items[6:12]]
     every = items + tainted + untrusted
-    assert any(s.taints for s in (segment_of(i, "", 0) for i in every))
     texts = [render_item(item, SECRET) for item in every]
     counts = [COUNTER.count(text) for text in texts]
     expected = [segment_of(i, t, c) for i, t, c in zip(every, texts, counts, strict=True)]
-    for payloads in (
-        [item.model_dump(mode="json", exclude_defaults=True) | {"kind": item.kind} for item in every],
-        [item.model_dump(mode="json") for item in every],
-    ):
-        made = segments_of_logged(payloads, texts, counts)
-        assert made == expected
-        assert made is not None and [type(s.trust) for s in made] == [type(s.trust) for s in expected]
-    pointer = ElidedSpan(id="p", seq=3, trust=TrustLevel.TOOL, original_id="x", original_tokens=9, reference="item:x")
-    assert segments_of_logged([pointer.model_dump(mode="json")], ["text"], [1]) is None
+    assert any(s.taints for s in expected) and any(s.call_id for s in expected)
+    log = _log(every)
+    heads = (log.ids, log.kinds, log.trusts, log.call_ids, log.taints)
+    made = segments_of_logged(*heads, texts, counts)
+    assert made == expected
+    assert made is not None and [type(s.trust) for s in made] == [type(s.trust) for s in expected]
+    bare = _log(every, referable=False)
+    assert segments_of_logged(bare.ids, bare.kinds, bare.trusts, bare.call_ids, bare.taints, texts, counts) is None
+    odd = [*log.kinds[:-1], "working_state"]
+    assert segments_of_logged(log.ids, odd, log.trusts, log.call_ids, log.taints, texts, counts) is None
 
 
 def test_a_cold_memo_makes_no_item_to_build() -> None:
