@@ -129,7 +129,9 @@ class BodyInputs(BaseModel):
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
-    history: Sequence[HistoryItem] | LoggedHistory = ()
+    # Items (validated, as any field), or the memo's columns (`LoggedHistory`): tried in that order, so a list of
+    # items is validated once.
+    history: Sequence[HistoryItem] | LoggedHistory = Field(default=(), union_mode="left_to_right")
     checkpoint: Checkpoint | None = None
     turn_start_seq: int = 0
     current: CurrentUserMessage | None = None
@@ -211,6 +213,7 @@ class RenderCache:
         self._checkpoints: list[Any] = []
         self._scan: HistoryScan | None = None
         self._head: tuple[Checkpoint | None, list[HistoryItem], list[Segment], list[int]] = (None, [], [], [])
+        self._logged: tuple[list[HistoryItem], LoggedHistory] = ([], LoggedHistory([], [], [], [].__getitem__))
 
     def __len__(self) -> int:
         return len(self._segs)
@@ -223,9 +226,12 @@ class RenderCache:
         """`segment` of each of `items`; in C-level passes when each one is memoised (a cold worker's first build
         takes thousands from the renders stored with them)."""
         ids = list(map(_id, items))
-        if all(map(operator.is_, map(self._items.get, ids), items)):
-            return list(map(self._segs.__getitem__, ids))
-        return [self.lookup(item) or self.segment(item, estimator) for item in items]
+        hits = list(map(operator.is_, map(self._items.get, ids), items))
+        segs: list[Segment | None] = list(map(self._segs.get, ids))
+        # Only the items not memoised are visited one by one (a warm build's new ones).
+        for k in compress(range(len(hits)), map(operator.not_, hits)):
+            segs[k] = self.segment(items[k], estimator)
+        return cast(list[Segment], segs)
 
     def pointer_segment(self, result: Segment, item: Callable[[], HistoryItem], estimator: TokenEstimator) -> Segment:
         """The segment of the typed pointer that stands for the tool result whose segment is `result` (`item()`
@@ -287,12 +293,26 @@ class RenderCache:
     def logged(self, items: Sequence[HistoryItem], estimator: TokenEstimator) -> LoggedHistory:
         """`items` (logged history, in any order) as the builder reads the log: sorted by log position, with their
         segments (memoised: a warm build of the same items makes none)."""
+        prev_items, prev = self._logged
+        n = len(prev_items)
+        if n and n <= len(items) and all(map(operator.is_, items[:n], prev_items)):
+            # The last call's items and more (a warm build): the work is the new ones.
+            new = list(items[n:])
+            seqs = list(map(_seq, new))
+            if not seqs or (seqs[0] > prev.seqs[-1] and not any(map(operator.gt, seqs, seqs[1:]))):
+                history = prev_items + new
+                segs = [*cast(list[Segment], prev.segments), *self.segments(new, estimator)]
+                logged = LoggedHistory([*prev.seqs, *seqs], segs, [*prev.ids, *map(_id, new)], history.__getitem__)
+                self._logged = (history, logged)
+                return logged
         history = list(items)
         seqs = list(map(_seq, history))
         if any(map(operator.gt, seqs, seqs[1:])):
             history.sort(key=_seq)
             seqs = list(map(_seq, history))
-        return LoggedHistory(seqs, self.segments(history, estimator), list(map(_id, history)), history.__getitem__)
+        logged = LoggedHistory(seqs, self.segments(history, estimator), list(map(_id, history)), history.__getitem__)
+        self._logged = (history, logged)
+        return logged
 
     def checkpoint_head(
         self, checkpoint: Checkpoint | None, estimator: TokenEstimator
