@@ -16,6 +16,7 @@ from itertools import compress, repeat
 from typing import Any, NamedTuple, cast
 
 import structlog
+from pydantic import TypeAdapter
 from temporalio.exceptions import ApplicationError
 
 from activities.memo_log import MemoLog
@@ -46,6 +47,7 @@ _item_id = operator.attrgetter("item_id")  # a segment's
 _second = operator.itemgetter(1)
 _PAIRED = frozenset({"tool_call", "tool_result"})  # the kinds the open-call pass visits
 _TOOL_RESULT, _USER_MESSAGE = "tool_result", "user_message"
+_SEGMENTS: TypeAdapter[list[Segment]] = TypeAdapter(list[Segment])  # segments to or from their JSON form, at once
 
 
 class BuiltRequest(NamedTuple):
@@ -172,6 +174,18 @@ class SessionCache:
             if self._lasting(seg):
                 self.seg_json[id(seg)] = hit
         return hit[1]
+
+    def jsons_of(self, segs: list[Segment]) -> list[dict[str, Any]]:
+        """`json_of` each of `segs`, the ones not memoised dumped in one call (a cold build under pressure stores
+        hundreds of pointers whole)."""
+        hits: list[tuple[Segment, dict[str, Any]] | None] = list(map(self.seg_json.get, map(id, segs)))
+        misses = [k for k, (hit, seg) in enumerate(zip(hits, segs, strict=True)) if hit is None or hit[0] is not seg]
+        if misses:
+            for k, data in zip(misses, _SEGMENTS.dump_python([segs[k] for k in misses], mode="json"), strict=True):
+                hits[k] = (segs[k], data)
+                if self._lasting(segs[k]):
+                    self.seg_json[id(segs[k])] = (segs[k], data)
+        return [cast(tuple[Segment, dict[str, Any]], hit)[1] for hit in hits]
 
     def provider_of(self, seg: Segment) -> ProviderSegment:
         hit = self.seg_provider.get(id(seg))
@@ -423,10 +437,11 @@ class SessionCache:
         ]
         form = StoredForm([], [], [])
         entries, spans, ends = form
+        whole = iter(self.jsons_of(list(compress(segments, map(operator.not_, referred)))))
         at, n = 0, len(segments)
         while at < n:
             if not referred[at]:
-                entries.append(self.json_of(segments[at]))
+                entries.append(next(whole))
                 spans.append(None)
                 at += 1
             else:  # a run: up to the next segment that does not go on it (found in C)

@@ -429,10 +429,9 @@ def segments_of_logged(
     (its id, kind, trust, call id and its segment's taint, which `segment_of` gave when it was logged) without
     making the item: a worker that has not seen a session makes thousands, column by column. None when a taint was
     not stored or a kind is not a logged one (the caller makes those items)."""
-    by_kind: list[Any] = list(map(_LOGGED_TYPES.get, kinds))
-    if None in by_kind or None in taints:
+    fields: list[Any] = list(map(_LOGGED_FIELDS.get, kinds))
+    if None in fields or None in taints:
         return None
-    fields = list(map(_TYPE_FIELDS.__getitem__, by_kind))
     # A stored taint means the item was validated when it was logged (a segment was made of it): only the kinds
     # that pair have a call id there (items forbid other fields), as in `segment_of`.
     return list(
@@ -483,7 +482,8 @@ def _segments(
     )
 
 
-_LOGGED_TYPES: dict[str, type[Item]] = {t.model_fields["kind"].default: t for t in get_args(HistoryItem)}
+# Each logged kind's type fields (`_TYPE_FIELDS`), by kind.
+_LOGGED_FIELDS = {t.model_fields["kind"].default: _TYPE_FIELDS[t] for t in get_args(HistoryItem)}
 _TRUST = {level.value: level for level in TrustLevel}
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, is_not
+from typing import cast
 
 from core.errors import OrphanedToolItemError
 from core.plan import Segment
 
 _CALL = "tool_call"
+_call_id = attrgetter("call_id")
 _RESULT_KINDS = frozenset({"tool_result", "elided_span"})
 
 
@@ -27,10 +31,10 @@ class PairState:
         return other
 
     def feed(self, segments: Iterable[Segment]) -> PairState:
-        for seg in segments:
-            call_id = seg.call_id
-            if call_id is None:
-                continue
+        # Only the segments with a call id are visited (picked in C: a log's thousands are mostly messages).
+        segs = list(segments)
+        for seg in compress(segs, map(is_not, map(_call_id, segs), repeat(None))):
+            call_id = cast(str, seg.call_id)
             if seg.kind == _CALL:
                 if call_id in self.open_calls or call_id in self.answered:
                     self.orphans.append(seg.item_id)  # a second call reusing an id is as malformed as an orphan
