@@ -41,8 +41,6 @@ RECALL_LIMIT = 10  # memories recalled for a turn's message, best first
 _TEXT_AND_COUNT = {"text", "raw_tokens"}  # what a stored render holds beside its segment's other fields
 
 
-_pointer_text, _pointer_tokens = operator.itemgetter("text"), operator.itemgetter("tokens")  # a stored pointer's
-_id = operator.attrgetter("id")
 _item_id = operator.attrgetter("item_id")  # a segment's
 _second = operator.itemgetter(1)
 _PAIRED = frozenset({"tool_call", "tool_result"})  # the kinds the open-call pass visits
