@@ -17,7 +17,8 @@ class LoggedHistory:
 
     A worker that has not seen a session makes its memo of thousands of items from their renders stored at write
     time: the build reads their segments, and parses only the items it looks into (a tool result whose pointer was
-    not stored). A list of items is one too (`RenderCache.logged`)."""
+    not stored). A list of items is one too: `of` (the builder renders them), or `RenderCache.logged` (the
+    builder's memo of their segments, which `build` uses for a `BodyInputs` given items)."""
 
     __slots__ = ("_item", "ids", "segments", "seqs")
 
