@@ -385,7 +385,7 @@ async def test_two_workers_one_killed_twenty_sessions(
         async def converse(handle: WorkflowHandle[Any, Any]) -> list[TurnResult]:
             results = []
             for n in range(1, TURNS + 1):
-                results.append(await turn(handle, f"turn {n} of {handle.id}\n/sleep 0.3", update_id=f"turn-{n}"))
+                results.append(await turn(handle, f"turn {n} of {handle.id}\n/sleep 1", update_id=f"turn-{n}"))
                 done.append(results[-1])
             return results
 
@@ -398,7 +398,8 @@ async def test_two_workers_one_killed_twenty_sessions(
         await _until(a_third_done, "a third of the turns", timeout=60)
 
         async def doomed_busy() -> bool | None:
-            # The kill must cut an activity short: wait for a model call (0.3 s each, `/sleep 0.3`) running on the
+            # The kill must cut an activity short: wait for a model call (1 s each, `/sleep 1`: long enough that the
+            # kill lands before it ends, after this probe's round of describes on a loaded machine) running on the
             # doomed worker (at the moment a third of the turns are done, every running one may be on the survivor).
             for desc in await asyncio.gather(*(h.describe() for h in handles)):
                 for pending in desc.raw_description.pending_activities:
