@@ -171,7 +171,8 @@ class BuildActivities(BuildCalls):
         ws = working_state(reads.working_state_writes, estimator.counter.count, inp.turn + 1)
         recall_rows = reads.recall
         if recall_rows is None:  # the message was not in this worker's memo before the read: search now
-            at = len(logged.ids) - 1 - logged.ids[::-1].index(user_item_id) if user_item_id in logged.ids else -1
+            ids = logged.ids
+            at = next((k for k in range(len(ids) - 1, -1, -1) if ids[k] == user_item_id), -1) if user_item_id else -1
             query = logged.item(at).body_text() if at >= 0 else ""
             recall_rows = await store.search_memories(
                 open_.memory_scope, query, limit=RECALL_LIMIT, exclude=snapshot_ids(prefix)

@@ -9,6 +9,7 @@ build more than everything else it does with the item.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Iterator, Sequence
 from itertools import repeat
@@ -102,6 +103,10 @@ class MemoLog(Sequence[HistoryItem]):
         made = self._items[k]
         assert made is not None and made.seq == self.seqs[k], (k, self.seqs[k])
         return made
+
+    def at(self, seq: int) -> int:
+        """The index of the item at log position `seq` (held: the memo's positions ascend)."""
+        return bisect.bisect_left(self.seqs, seq)
 
     def made(self) -> int:
         """How many of the items held were made (a caller looked into them)."""

@@ -10,6 +10,7 @@ ITEM_HEAD = (
     "concat_ws(',', to_json(item_id), to_json(kind), to_json(trust), coalesce(payload->'call_id', 'null'), "
     "coalesce(segment->'taints', 'null'))"
 )
+ITEM_HEAD_FIELDS = 5  # the elements of an item's head
 
 MIGRATIONS: tuple[str, ...] = (
     # 1: the session log and everything a request is rebuilt from

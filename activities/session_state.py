@@ -229,7 +229,7 @@ class SessionCache:
         covered = set(log.seqs[:k])
         for call_id, seq in list(self.open_calls.items()):
             if seq in covered:
-                self.covered_calls[call_id] = cast(ToolCall, log.item(log.seqs.index(seq)))
+                self.covered_calls[call_id] = cast(ToolCall, log.item(log.at(seq)))
                 del self.open_calls[call_id]
         gone = set(log.ids[:k])
         log.drop_head(k)
@@ -260,7 +260,7 @@ class SessionCache:
         if seq is None:
             return None
         log = self.items
-        return log.item(bisect.bisect_left(log.seqs, seq))
+        return log.item(log.at(seq))
 
     def taken(self, item_id: str, key: str) -> Segment | None:
         """The segment made of the logged item `item_id`'s render stored for the counter `key` (None: none)."""
@@ -268,12 +268,12 @@ class SessionCache:
         column = self.segments.get(key)
         if seq is None or column is None:
             return None
-        return column[bisect.bisect_left(self.items.seqs, seq)]
+        return column[self.items.at(seq)]
 
     def unanswered_calls(self) -> list[ToolCall]:
         """The logged tool calls with no result yet, in log order."""
         log = self.items
-        calls = [cast(ToolCall, log.item(bisect.bisect_left(log.seqs, seq))) for seq in self.open_calls.values()]
+        calls = [cast(ToolCall, log.item(log.at(seq))) for seq in self.open_calls.values()]
         return sorted([*calls, *self.covered_calls.values()], key=_seq)
 
     def logged(self, renders: RenderCache, estimator: TokenEstimator, message: HistoryItem | None) -> LoggedHistory:
@@ -479,7 +479,7 @@ class SessionCache:
                 continue
             first, last = entry["seqs"]
             log = self.items
-            at = bisect.bisect_left(log.seqs, first)
+            at = log.at(first)
             seqs = log.seqs[at : at + last - first + 1]
             # The memo's items are in log order, one per position: the run's count, first and last make them all.
             if len(seqs) != last - first + 1 or seqs[0] != first or seqs[-1] != last:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 from pydantic_core import from_json
 
-from activities.migrations import ITEM_BLOCK, ITEM_HEAD, MIGRATIONS
+from activities.migrations import ITEM_BLOCK, ITEM_HEAD, ITEM_HEAD_FIELDS, MIGRATIONS
 from activities.rows import (
     CallReads,
     EpochPrefix,
@@ -1105,8 +1105,8 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
 
 def _live(row: Mapping[str, Any]) -> LiveLog:
     """The log read by `_live_log`, parsed: the rows before the blocks, the blocks, the rows after them. The heads
-    in one pass (a flat list, five elements an item), the blocks' other columns each in one pass, the rows' as
-    they came; the payloads are not parsed (each block's, and each row's, is its items' source)."""
+    in one pass (a flat list, `ITEM_HEAD_FIELDS` elements an item), the blocks' other columns each in one pass,
+    the rows' as they came; the payloads are not parsed (each block's, and each row's, is its items' source)."""
     seqs = row["seqs"] or []
     firsts = row["block_firsts"] or []
     if not firsts and not seqs:
@@ -1125,15 +1125,16 @@ def _live(row: Mapping[str, Any]) -> LiveLog:
         block_sources += [(text, first)] * ITEM_BLOCK
     # The rows' heads, then the blocks': one flat list, parsed in one pass and put in log order.
     heads = from_json("[" + ",".join(filter(None, (row["heads"], row["block_heads"]))) + "]")
-    row_heads, block_heads = heads[: 5 * len(seqs)], heads[5 * len(seqs) :]
-    around_heads = [*row_heads[: 5 * head], *block_heads, *row_heads[5 * head :]]
+    n = ITEM_HEAD_FIELDS
+    row_heads, block_heads = heads[: n * len(seqs)], heads[n * len(seqs) :]
+    around_heads = [*row_heads[: n * head], *block_heads, *row_heads[n * head :]]
     return LiveLog(
         seqs=[*seqs[:head], *block_seqs, *seqs[head:]],
-        ids=around_heads[0::5],
-        kinds=around_heads[1::5],
-        trusts=around_heads[2::5],
-        call_ids=around_heads[3::5],
-        taints=around_heads[4::5],
+        ids=around_heads[0::n],
+        kinds=around_heads[1::n],
+        trusts=around_heads[2::n],
+        call_ids=around_heads[3::n],
+        taints=around_heads[4::n],
         sources=[*row_sources[:head], *block_sources, *row_sources[head:]],
         renders=around(row["renders"], row["block_renders"]),
         counts=around(row["counts"], row["block_counts"]),
