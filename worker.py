@@ -29,7 +29,7 @@ from temporalio.runtime import (
     TelemetryConfig,
     TelemetryFilter,
 )
-from temporalio.worker import Interceptor, Worker
+from temporalio.worker import Interceptor, PollerBehaviorAutoscaling, Worker
 
 from activities.compaction import CompactionActivities
 from activities.failures import FailureInterceptor
@@ -56,6 +56,11 @@ WORKFLOWS = [SessionWorkflow, CompactionWorkflow, ChildRunWorkflow]
 # A workflow task waits this long on a dead worker's sticky queue before any worker may take it (SDK default
 # 10 s): part of what a worker crash costs a turn (docs/reliability.md, "Failover").
 STICKY_SCHEDULE_TO_START = timedelta(seconds=1)
+# So short a sticky wait needs a poll waiting on the sticky queue whenever a task arrives, however busy the worker
+# is: with the SDK's default of 5 fixed workflow-task polls, a worker saturated by 100 sessions left tasks waiting
+# on the server for over 1 s, and each one that timed out was handed back with its full history and replayed
+# (docs/operations.md, "Workflow-task polls"). The server scales the polls to the backlog instead.
+WORKFLOW_TASK_POLLS = PollerBehaviorAutoscaling()
 # On SIGTERM or SIGINT the worker stops polling and gives the activities it runs this long to finish (under the
 # 10 s a container runtime waits before SIGKILL); what is still running then is cancelled and Temporal retries it
 # on another worker. The server is told the worker is gone, so its sessions' next workflow tasks skip the sticky
@@ -190,6 +195,7 @@ async def running_worker(
         max_cached_workflows=max_cached_workflows,
         interceptors=[FailureInterceptor(), *interceptors],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
+        workflow_task_poller_behavior=WORKFLOW_TASK_POLLS,
         disable_eager_activity_execution=not eager_activities,
         graceful_shutdown_timeout=graceful_shutdown,
     )

@@ -1,16 +1,19 @@
 """`ctxengine bench turns`: per-turn latency and throughput of the engine against a bare Temporal floor.
 
-One run, one Temporal server, one PostgreSQL, one process. Two workers with the same settings poll two task
-queues of the same server: the engine (`worker.running_worker`: the real `SessionWorkflow`, the real
-activities, the real store, the scripted provider) and the floor (`bench.floor_workflow.FloorWorkflow`: an
-Update running two no-op activities, the irreducible build and model call). Measured side by side:
+One run, one Temporal server, one PostgreSQL, one process. Two workers poll two task queues of the same server:
+the engine (`worker.running_worker`: the real `SessionWorkflow`, the real activities, the real store, the
+scripted provider) and the floor (`bench.floor_workflow.FloorWorkflow`: an Update running two no-op activities,
+the irreducible build and model call). They have the same cache size and workflow-task polls
+(`worker.WORKFLOW_TASK_POLLS`); the floor keeps the SDK's 10 s sticky schedule-to-start timeout, the engine has
+its own 1 s (`worker.STICKY_SCHEDULE_TO_START`). Measured side by side:
 
 - latency: one engine session and one floor session, `turns` plain turns each (no tool call), interleaved
   turn by turn so both see the same server state; the first turn of each session (the engine's opens the
   session) is not timed. A turn's latency is the wall time of `execute_update` as a caller sees it;
 - throughput: for each N in `sessions`, N sessions each doing `turns_per_session` turns concurrently
   (`asyncio.gather`); turns/s = all turns / wall time, the sessions started and their first turn taken
-  before the clock starts; floor first, then the engine, at each N;
+  before the clock starts; floor first, then the engine, at each N; and, from the server's histories of those
+  sessions, the workflow tasks that timed out (a sticky task no poll took in time is replayed from history);
 - a long engine session of `long_turns` turns: p50 of its last 10% of turns against its first 10%, the
   event count and size of every run in its continue-as-new chain (walked through the histories, each run's
   last event naming the next run), the largest single event (no prompt travels through history) and the
@@ -65,7 +68,7 @@ from harness.bench.floor_workflow import (
 from harness.bench.measure import CountingPool, DbCounts, GcClock, compiled, percentile
 from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
-from worker import connect, running_worker, tuned_gc
+from worker import WORKFLOW_TASK_POLLS, connect, running_worker, tuned_gc
 
 # Targets from the turn-path issue (docs/benchmarks.md, "bench turns").
 OVERHEAD_TARGET = 1.25  # engine p50 within 1.25x of the floor's
@@ -305,9 +308,9 @@ async def _throughput(
     sessions: int,
     turns_per_session: int,
     tick: Callable[[int], None],
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], list[WorkflowHandle[Any, Any]]]:
     """N sessions, each opened with one untimed turn, then `turns_per_session` turns each, all concurrent: turns
-    per second, and the CPU milliseconds per turn each process spent meanwhile (`_cpu_s`)."""
+    per second, the CPU milliseconds per turn each process spent meanwhile (`_cpu_s`), and the sessions."""
     made = await asyncio.gather(*(make(f"{label}-{i}") for i in range(sessions)))
     turns = [t for _, t in made]
     await asyncio.gather(*(t(_plain_text(0)) for t in turns))
@@ -321,7 +324,20 @@ async def _throughput(
     await asyncio.gather(*(session(t) for t in turns))
     wall, cpu1 = time.perf_counter() - t0, _cpu_s()
     done = sessions * turns_per_session
-    return done / wall, {key: (cpu1[key] - cpu0[key]) * 1000 / done for key in cpu1}
+    return done / wall, {key: (cpu1[key] - cpu0[key]) * 1000 / done for key in cpu1}, [h for h, _ in made]
+
+
+async def _task_timeouts(handles: Sequence[WorkflowHandle[Any, Any]]) -> int:
+    """The workflow tasks that timed out in these sessions, from the server's histories: on a sticky queue, a task
+    no poll took in time, handed to the normal queue with the whole history, which the worker then replays."""
+    sem = asyncio.Semaphore(CLOSE_CONCURRENCY)
+
+    async def count(handle: WorkflowHandle[Any, Any]) -> int:
+        async with sem:
+            events = (await handle.fetch_history()).events
+        return sum(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT for e in events)
+
+    return sum(await asyncio.gather(*(count(h) for h in handles)))
 
 
 # ------------------------------------------------------------------------------------------------ history
@@ -554,6 +570,7 @@ async def _measure(
         workflows=[FloorWorkflow],
         activities=FLOOR_ACTIVITIES,
         max_cached_workflows=MAX_CACHED_WORKFLOWS,
+        workflow_task_poller_behavior=WORKFLOW_TASK_POLLS,  # the engine's worker polls so too
     )
     db = DbCounts()
     counted = Store(CountingPool(store.pool, db))  # the real pool, its queries counted
@@ -650,10 +667,14 @@ async def _measure(
             for n in sessions:
                 tick = bars.task(f"throughput, {n} sessions", 2 * n * turns_per_session * throughput_rounds)
                 best: dict[str, tuple[float, dict[str, float]]] = {"floor": (0.0, {}), "engine": (0.0, {})}
+                timeouts = {"floor": 0, "engine": 0}
                 for r in range(throughput_rounds):
                     for side, make in (("floor", bench.floor), ("engine", bench.engine)):
-                        got = await _throughput(make, f"tp{n}-{r}", n, turns_per_session, tick)
-                        best[side] = max(best[side], got, key=lambda x: x[0])
+                        tps, cpu, handles = await _throughput(make, f"tp{n}-{r}", n, turns_per_session, tick)
+                        best[side] = max(best[side], (tps, cpu), key=lambda x: x[0])
+                        timeouts[side] += await _task_timeouts(handles)
+                for side, count in timeouts.items():
+                    out[f"{side}_workflow_task_timeouts_{n}_sessions"] = count
                 (floor_tps, floor_cpu), (engine_tps, engine_cpu) = best["floor"], best["engine"]
                 out[f"turns_per_s_{n}_sessions"] = round(engine_tps, 2)
                 out[f"floor_turns_per_s_{n}_sessions"] = round(floor_tps, 2)
