@@ -64,6 +64,10 @@ PATCH_FAILED_TURN = "failed-turn-sealed"
 PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
 PATCH_CLOSE_ONCE = "close-once"
 PATCH_SEAL_BRIEFLY = "seal-failed-turn-briefly"  # a failed turn is sealed with SEAL_RETRY, not RETRY
+PATCH_FINISHED_CHILD = "forward-to-finished-child"  # a change that finds its child run finished fails nothing
+# The failure type of a signal to a workflow that has closed (or never existed): sdk-core's failure for the
+# `SignalExternalWorkflowExecutionFailed` event.
+CHILD_GONE = "ExternalWorkflowExecutionNotFound"
 # The start input's default when a client sends none: a payload without an encoding (see `_start_input`).
 NO_START_INPUT = RawValue(Payload())
 
@@ -226,9 +230,7 @@ class SessionWorkflow:
             done: ChildRunResult = await self.child
         finally:
             self.child = None
-        done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
-        self.state = done.state
-        return done.result
+        return self._adopt(done)
 
     async def _turn_failed(self, turn: int, exc: BaseException) -> ApplicationError:
         """A failed turn fails its update, typed, not the session: its unanswered tool calls get error results
@@ -277,23 +279,37 @@ class SessionWorkflow:
         # child's input predates it: forward it now (a second delivery of one is harmless).
         for name, reason in self.state.revoked_tools.items():
             if name not in sent[0]:
-                await self.child.signal(ChildRunWorkflow.revoke_tool, RevokeTool(name=name, reason=reason))
+                await self._forward(ChildRunWorkflow.revoke_tool, RevokeTool(name=name, reason=reason))
         regranted = [n for n in sent[0] if n not in self.state.revoked_tools]
         granted = [n for n in self.state.granted_tools if n not in sent[1] and n not in self.state.revoked_tools]
         for name in dict.fromkeys([*regranted, *granted]):
-            await self.child.signal(ChildRunWorkflow.grant_tool, GrantTool(name=name))
+            await self._forward(ChildRunWorkflow.grant_tool, GrantTool(name=name))
         try:
             done: ChildRunResult = await self.child
         finally:
             self.child = None
-        # Adopt the child's state, keeping revocations that arrived while it ran (it got them by signal too).
-        done.state.revoked_tools = {**done.state.revoked_tools, **self.state.revoked_tools}
-        # Grants made while it ran reached it by signal too and undo revocations: the parent saw every change to
-        # authorisation (the child only receives them), so its view wins.
+        return self._adopt(done)
+
+    def _adopt(self, done: ChildRunResult) -> TurnResult:
+        """Take the state a child run returns. Its authorisation is the session's: the session saw every
+        revocation and grant (the child only receives them by signal, and one that came after it finished never
+        reached it), so the session's view wins."""
         done.state.revoked_tools = dict(self.state.revoked_tools)
         done.state.granted_tools = list(self.state.granted_tools)
         self.state = done.state
         return done.result
+
+    async def _forward(self, signal: Any, change: RevokeTool | GrantTool) -> None:
+        """Send an authorisation change to the running child run. The child may have finished already (its result
+        not yet seen here): it made its calls without the change, and the state adopted from it takes the
+        session's view of authorisation (`_escalate`), so the change is not lost and the turn goes on."""
+        assert self.child is not None
+        try:
+            await self.child.signal(signal, change)
+        except ApplicationError as exc:
+            if exc.type != CHILD_GONE or not workflow.patched(PATCH_FINISHED_CHILD):
+                raise
+            workflow.logger.info("child run finished before %s reached it", type(change).__name__)
 
     def _remember(self, update_id: str, result: TurnResult) -> None:
         self.results[update_id] = result
@@ -306,7 +322,7 @@ class SessionWorkflow:
         await workflow.wait_condition(lambda: self.ready)
         self.state.revoked_tools[req.name] = req.reason
         if self.child is not None:  # a turn running in a child run authorises against its own copy
-            await self.child.signal(ChildRunWorkflow.revoke_tool, req)
+            await self._forward(ChildRunWorkflow.revoke_tool, req)
         self._publish()
         return self.state
 
@@ -330,7 +346,7 @@ class SessionWorkflow:
         if left_out and req.name not in self.state.granted_tools:
             self.state.granted_tools.append(req.name)
         if self.child is not None:  # a turn running in a child run authorises against its own copy
-            await self.child.signal(ChildRunWorkflow.grant_tool, req)
+            await self._forward(ChildRunWorkflow.grant_tool, req)
         self._publish()
         return self.state
 

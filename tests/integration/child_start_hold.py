@@ -30,9 +30,10 @@ def _granted() -> bool:
     return not _revoked()
 
 
-def _holding(until: Callable[[], bool]) -> type[Interceptor]:
-    """An interceptor that holds a child run's start open until `until()` holds in the session, then makes the
-    child wait (up to a bound) until it holds there too: without forwarding, the child goes on unchanged."""
+def _holding(until: Callable[[], bool], child_waits: bool = True) -> type[Interceptor]:
+    """An interceptor that holds a child run's start open until `until()` holds in the session, then (if
+    `child_waits`) makes the child wait (up to a bound) until it holds there too: without forwarding, the child
+    goes on unchanged."""
 
     class Outbound(WorkflowOutboundInterceptor):
         async def start_child_workflow(self, input: StartChildWorkflowInput) -> workflow.ChildWorkflowHandle[Any, Any]:
@@ -46,7 +47,7 @@ def _holding(until: Callable[[], bool]) -> type[Interceptor]:
             super().init(Outbound(outbound))
 
         async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
-            if workflow.info().workflow_type == "ChildRunWorkflow":
+            if child_waits and workflow.info().workflow_type == "ChildRunWorkflow":
                 try:  # without the fix the change never comes: go on after the bound
                     await workflow.wait_condition(until, timeout=CHILD_WAITS)
                 except TimeoutError:
@@ -64,3 +65,6 @@ HoldChildStart = _holding(_revoked)
 """Holds the start until the tool is revoked in the session (the revocation race)."""
 HoldChildStartForGrant = _holding(_granted)
 """Holds the start until the tool is granted again in the session (the re-grant race)."""
+HoldChildStartPastItsEnd = _holding(_granted, child_waits=False)
+"""Holds the start until the tool is granted again in the session; the child does not wait, so a test can grant
+once the child has finished (the forwarded grant finds no running child)."""

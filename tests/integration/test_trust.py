@@ -7,14 +7,15 @@ import asyncio
 from typing import Any
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError
 
 from activities.tools import DEMO_TOOLS, EXECUTORS, marker
 from contract import names
 from contract.payloads import GrantTool, RevokeTool, SessionState
 from harness.adversarial_model import AdversarialProvider
 from harness.gates import Stack, laundering_figures
-from tests.integration.child_start_hold import TOOL, HoldChildStart, HoldChildStartForGrant
+from tests.integration.child_start_hold import TOOL, HoldChildStart, HoldChildStartForGrant, HoldChildStartPastItsEnd
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -72,6 +73,7 @@ async def _escalating_turn(handle: Any, on_escalation: Any) -> Any:
 
 
 @pytest.mark.exclusive
+@pytest.mark.exclusive
 async def test_regrant_racing_a_child_start_reaches_the_child(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
@@ -88,6 +90,40 @@ async def test_regrant_racing_a_child_start_reaches_the_child(
         escalated = await _escalating_turn(handle, grant)
         fetches = [c for c in escalated.tool_calls if c.name == TOOL]
         assert fetches and fetches[-1].allowed, escalated
+
+
+async def test_a_grant_after_the_child_run_finished_fails_nothing(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A grant that reaches the session only after its child run finished has no child to forward to: the turn
+    ends with the child's answer (the call was denied, as it ran revoked), and the session keeps the grant."""
+    async with stack(temporal_client, pg_dsn, task_queue, interceptors=[HoldChildStartPastItsEnd()]):
+        handle = await start(
+            temporal_client, task_queue, session_open(budget={"context_window": 5_000, "output_reserve": 500})
+        )
+        await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name=TOOL, reason="until further notice"))
+
+        async def grant_once_the_child_finished() -> None:
+            # The session counts the escalation before it starts the child, which takes the count as its number.
+            child = temporal_client.get_workflow_handle(f"{handle.id}/child-run/1")
+            for _ in range(600):
+                try:
+                    if (await child.describe()).status not in (None, WorkflowExecutionStatus.RUNNING):
+                        break
+                except RPCError:
+                    pass  # not started yet
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the child run never finished")
+            await handle.execute_update(names.UPDATE_GRANT_TOOL, GrantTool(name=TOOL))
+
+        escalated = await _escalating_turn(handle, grant_once_the_child_finished)
+        fetches = [c for c in escalated.tool_calls if c.name == TOOL]
+        assert fetches and not fetches[-1].allowed, escalated
+        state: SessionState = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert TOOL not in state.revoked_tools, state.revoked_tools
+        after = await turn(handle, f'/call {TOOL} {{"url": "fixture://weather"}}')
+        assert [c.allowed for c in after.tool_calls if c.name == TOOL] == [True], after
 
 
 STRICT_TAG = marker("strict")
