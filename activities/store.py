@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import asyncpg
 from pydantic_core import from_json
@@ -69,12 +69,13 @@ WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
 
 
 def _live_log(after: str) -> str:
-    """The lateral subquery `log`: session $1's items after position `after`, in log order: the sealed blocks
-    that begin after it (`item_blocks`: what a memo reads of 256 items, as JSON text, one row each) and the rows of
-    the items no such block holds (`head` of them before the blocks, the rest after), as parallel arrays (each
-    payload as JSON text: arrays cost PostgreSQL and the client a fraction of what a JSON aggregate of the rows
-    costs). Each item's head (`ITEM_HEAD`) comes as one flat list's text, the blocks' and the rows' apart; each
-    block's payloads as one text, with its first position. Select `LIVE_LOG_COLUMNS`; read them with `_live`.
+    """The lateral subquery `log`: of session $1's items after position `after`, the rows of those no sealed block
+    holds (`head` of them before the blocks, the rest after), as parallel arrays (each payload as JSON text: arrays
+    cost PostgreSQL and the client a fraction of what a JSON aggregate of the rows costs), each item's head
+    (`ITEM_HEAD`) as one flat list's text; and the run of sealed blocks (`item_blocks`: what a memo reads of 256
+    items, as JSON text) that begins after `after`, as its first and last positions (`blocks_from`, `blocks_to`).
+    The blocks themselves come as rows of their own after the query's one row (`_with_blocks`). Select
+    `LIVE_LOG_COLUMNS`; read them with `_live`.
 
     Only the unbroken run of blocks from the first one is read as blocks: should a block be missing from the
     middle (the trigger seals every one, but the table is derived state an operator may clear) or have no heads
@@ -82,20 +83,11 @@ def _live_log(after: str) -> str:
     skipped. The rows are read by two ranges of the index, before the blocks
     and after them: a read touches the rows outside the blocks, not the session's whole log."""
     return f"""LEFT JOIN LATERAL (
-  SELECT r.*, b.payloads AS block_payloads, b.firsts AS block_firsts, b.heads AS block_heads,
-         b.renders AS block_renders, b.counts AS block_counts, b.referable AS block_referable,
-         b.pointers AS block_pointers
+  SELECT r.*, b.first_seq AS blocks_from, b.last_seq AS blocks_to
   FROM (
-    SELECT min(first_seq) AS first_seq, max(last_seq) AS last_seq,
-           array_agg(payloads ORDER BY first_seq) AS payloads,
-           array_agg(first_seq ORDER BY first_seq) AS firsts,
-           string_agg(heads, ',' ORDER BY first_seq) AS heads,
-           string_agg(renders, ',' ORDER BY first_seq) AS renders,
-           string_agg(counts, ',' ORDER BY first_seq) AS counts,
-           string_agg(referable, ',' ORDER BY first_seq) AS referable,
-           string_agg(pointers, ',' ORDER BY first_seq) AS pointers
+    SELECT min(first_seq) AS first_seq, max(last_seq) AS last_seq
     FROM (
-      SELECT x.*, min(x.first_seq) OVER () + (row_number() OVER (ORDER BY x.first_seq) - 1)
+      SELECT x.first_seq, x.last_seq, min(x.first_seq) OVER () + (row_number() OVER (ORDER BY x.first_seq) - 1)
                   * (x.last_seq - x.first_seq + 1) AS unbroken_at
       FROM item_blocks x WHERE x.session_id = $1 AND x.first_seq > {after} AND x.heads IS NOT NULL
     ) x WHERE x.first_seq = x.unbroken_at
@@ -112,13 +104,44 @@ def _live_log(after: str) -> str:
 
 
 LIVE_LOG_COLUMNS = """log.head, log.seqs, log.payloads, log.heads, log.renders, log.counts, log.referable, log.pointers,
-  log.block_payloads, log.block_firsts, log.block_heads, log.block_renders, log.block_counts, log.block_referable,
-  log.block_pointers"""
+  log.blocks_from, log.blocks_to"""
+# A sealed block's columns, as `_with_blocks` returns them (`block_first_seq` NULL: the query's own row).
+BLOCK_COLUMNS = ("first_seq", "payloads", "heads", "renders", "counts", "referable", "pointers")
+
+
+def _with_blocks(select: str, rest: str) -> str:
+    """A query of one row (`SELECT {select} {rest}`, whose columns end with `LIVE_LOG_COLUMNS`) and, after it, a
+    row for each sealed block of the run its log names (`blocks_from`..`blocks_to`), in columns of their own
+    (`BLOCK_COLUMNS`, named `block_...`; each NULL in the query's row, as the query's columns are in the blocks').
+
+    Rows, not one aggregate: PostgreSQL sends each block's stored text as it reads it, where an aggregate of
+    them builds one value of megabytes first (at 10,000 items: 17 ms of its time against 7, most of the
+    difference fresh memory it faults in for every read). Read them with `Store._fetch_with_blocks`."""
+    width = _top_level_count(select)
+    nulls = ", ".join(["NULL"] * width)
+    block_nulls = ", ".join(f"NULL::{'integer' if c == 'first_seq' else 'text'} AS block_{c}" for c in BLOCK_COLUMNS)
+    block_cols = ", ".join(f"b.{c}" for c in BLOCK_COLUMNS)
+    return f"""WITH main AS (SELECT {select} {rest})
+SELECT main.*, {block_nulls} FROM main
+UNION ALL
+SELECT {nulls}, {block_cols}
+FROM main JOIN item_blocks b ON b.session_id = $1 AND b.first_seq >= main.blocks_from
+  AND b.last_seq <= main.blocks_to AND b.heads IS NOT NULL"""
+
+
+def _top_level_count(select: str) -> int:
+    """The expressions of a select list: its commas outside parentheses, plus one."""
+    depth, count = 0, 1
+    for char in select:
+        depth += (char == "(") - (char == ")")
+        count += char == "," and depth == 0
+    return count
 
 
 # The log a worker's memo needs ($2: the position it holds): what the latest checkpoint does not cover.
-SQL_LIVE_ITEMS = (
-    "SELECT cp.covers_to_seq, log.* FROM (" + LATEST_CHECKPOINT + ") cp\n" + _live_log("greatest($2, cp.covers_to_seq)")
+SQL_LIVE_ITEMS = _with_blocks(
+    "cp.covers_to_seq, " + LIVE_LOG_COLUMNS,
+    "FROM (" + LATEST_CHECKPOINT + ") cp\n" + _live_log("greatest($2, cp.covers_to_seq)"),
 )
 
 
@@ -333,9 +356,8 @@ INSERT INTO checkpoints (session_id, checkpoint_id, parent_id, depth, covers_fro
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
 # The build's reads in one round trip (Store.turn_reads): $1 session, $2 log position already memoised, $3 epoch,
 # $4 whether to return the prefix row, $5 the recall query (NULL: none), $6 the recall limit.
-SQL_TURN_READS = (
-    """
-SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
+SQL_TURN_READS = _with_blocks(
+    """s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   {LIVE_LOG_COLUMNS},
   p.sha256 AS prefix_sha256, p.reason AS prefix_reason,
   CASE WHEN $4 THEN p.profile END AS profile, CASE WHEN $4 THEN p.prefix END AS prefix,
@@ -358,8 +380,8 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
           WHERE m.scope = s.open->>'memory_scope' AND m.tsv @@ q AND NOT (m.memory_id = ANY(snap.ids))
             AND NOT starts_with(m.memory_id, 'withdrawn:')
           ORDER BY rank DESC, m.memory_id LIMIT $6) r
-  ) END AS recall
-FROM sessions s
+  ) END AS recall""".replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS),
+    """FROM sessions s
 LEFT JOIN LATERAL ({LATEST_CHECKPOINT}) cp ON true
 {LIVE_LOG}
 LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $3
@@ -368,19 +390,17 @@ LEFT JOIN LATERAL (
   FROM jsonb_array_elements(coalesce(p.prefix->'segments', '[]'::jsonb)) AS seg
   WHERE seg->>'kind' = 'memory_snapshot'
 ) snap ON true
-WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT)
-    .replace("{LIVE_LOG}", _live_log("greatest($2, cp.covers_to_seq)"))
-    .replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS)
+WHERE s.session_id = $1""".replace("{LATEST_CHECKPOINT}", LATEST_CHECKPOINT).replace(
+        "{LIVE_LOG}", _live_log("greatest($2, cp.covers_to_seq)")
+    ),
 )
 # The model call's reads in one round trip (Store.call_reads): $1 session, $2 turn, $3 call index, $4 log position
 # already memoised, $5 epoch, $6 the request whose body to read (NULL: this worker built it), $7 the chain limit.
 # The body's links come as stored: the worker's memo holds the logged items their references name.
-SQL_CALL_READS = (
-    """
-SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
+SQL_CALL_READS = _with_blocks(
+    """s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
   (SELECT to_jsonb(r) FROM request_records r WHERE r.session_id = $1 AND r.turn = $2 AND r.call_index = $3)
     AS record,
-  {LIVE_LOG_COLUMNS},
   cp.covers_to_seq,
   (SELECT calibration FROM calibrations WHERE route = (p.profile->>'provider') || '/' || (p.profile->>'model'))
     AS calibration,
@@ -391,17 +411,17 @@ SELECT s.open, s.secret, s.created_at, s.closed_at, s.close_reason,
     + _chain_cte("$6::text", "$7")
     + """
     SELECT json_agg(json_build_object('prefix_sha256', prefix_sha256, 'body', body) ORDER BY depth) FROM chain
-  ) END AS chain
-FROM sessions s
-LEFT JOIN LATERAL ("""
+  ) END AS chain,
+  """
+    + LIVE_LOG_COLUMNS,
+    "FROM sessions s\nLEFT JOIN LATERAL ("
     + LATEST_CHECKPOINT
-    + """) cp ON true
-"""
+    + ") cp ON true\n"
     + _live_log("greatest($4, cp.covers_to_seq)")
     + """
 LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $5
-WHERE s.session_id = $1"""
-).replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS)
+WHERE s.session_id = $1""",
+)
 # A model call's outcome in one round trip: its usage (the first attempt's figures win), the estimator's
 # reconciliation (a higher observed ratio adopted at once, a lower one relaxed towards, in one statement, so
 # concurrent sessions on a route never lose an upward move), its event (stored once, by key) and the reply's
@@ -673,9 +693,22 @@ class Store:
     async def load_live_items(self, session_id: str, after_seq: int = -1) -> tuple[int, LiveLog]:
         """The log after `after_seq` that the latest checkpoint does not cover, and the last position it covers
         (-1: no checkpoint): what a worker's memo of the session needs, in one round trip."""
-        row = await self.pool.fetchrow(SQL_LIVE_ITEMS, session_id, after_seq)
-        assert row is not None
-        return int(row["covers_to_seq"]), _live(row)
+        read = await self._fetch_with_blocks(SQL_LIVE_ITEMS, session_id, after_seq)
+        assert read is not None
+        row, blocks = read
+        return int(row["covers_to_seq"]), _live(row, blocks)
+
+    async def _fetch_with_blocks(
+        self, sql: str, *args: Any
+    ) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]] | None:
+        """A query made by `_with_blocks`, in one round trip: its own row (None: none) and its sealed blocks' rows
+        in log order."""
+        rows = await self.pool.fetch(sql, *args)
+        own = [r for r in rows if r["block_first_seq"] is None]
+        if not own:
+            return None
+        blocks = sorted((r for r in rows if r["block_first_seq"] is not None), key=_block_first)
+        return own[0], blocks
 
     # ------------------------------------------------------------ content-addressed content
     async def put_artifact(self, session_id: str, content: str, *, trust: str, media_type: str = "text/plain") -> str:
@@ -859,15 +892,16 @@ class Store:
     ) -> CallReads | None:
         """What a model call reads, in one round trip (SQL_CALL_READS); None for an unknown session. `request`: the
         request whose body to read whole too (a worker that did not build it)."""
-        row = await self.pool.fetchrow(
+        read = await self._fetch_with_blocks(
             SQL_CALL_READS, session_id, turn, call_index, after_seq, epoch, request, MAX_DELTA_CHAIN + 1
         )
-        if row is None:
+        if read is None:
             return None
+        row, blocks = read
         return CallReads(
             session=_row(StoredSession, row),
             record=_record(row["record"]),
-            items=_live(row),
+            items=_live(row, blocks),
             covers_to_seq=int(row["covers_to_seq"]),
             calibration=float(row["calibration"]) if row["calibration"] is not None else None,
             provider_calibration=float(row["provider_calibration"])
@@ -979,9 +1013,10 @@ class Store:
         """What a build reads, in one round trip (SQL_TURN_READS); None for an unknown session. `recall_query`:
         the turn's message, searched in the scope's memories outside the snapshot (None: not searched here)."""
         terms = search_terms(recall_query) if recall_query is not None else None
-        row = await self.pool.fetchrow(SQL_TURN_READS, session_id, after_seq, epoch, with_prefix, terms, limit)
-        if row is None:
+        read = await self._fetch_with_blocks(SQL_TURN_READS, session_id, after_seq, epoch, with_prefix, terms, limit)
+        if read is None:
             return None
+        row, blocks = read
         prefix = None
         if with_prefix and row["prefix_sha256"] is not None:
             prefix = StoredPrefix(
@@ -996,7 +1031,7 @@ class Store:
             recall = [MemoryRow(**r) for r in row["recall"]] if terms else []
         return TurnReads(
             session=_row(StoredSession, row),
-            items=_live(row),
+            items=_live(row, blocks),
             prefix=prefix,
             calibration=float(row["calibration"]) if row["calibration"] is not None else None,
             provider_calibration=float(row["provider_calibration"])
@@ -1103,28 +1138,33 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
     ]
 
 
-def _live(row: Mapping[str, Any]) -> LiveLog:
-    """The log read by `_live_log`, parsed: the rows before the blocks, the blocks, the rows after them. The heads
-    in one pass (a flat list, `ITEM_HEAD_FIELDS` elements an item), the blocks' other columns each in one pass,
-    the rows' as they came; the payloads are not parsed (each block's, and each row's, is its items' source)."""
+def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLog:
+    """The log read by `_live_log` (`row`) and `_with_blocks` (`blocks`, in log order), parsed: the rows before the
+    blocks, the blocks, the rows after them. The heads in one pass (a flat list, `ITEM_HEAD_FIELDS` elements an
+    item), the blocks' other columns each in one pass, the rows' as they came; the payloads are not parsed (each
+    block's, and each row's, is its items' source)."""
     seqs = row["seqs"] or []
-    firsts = row["block_firsts"] or []
-    if not firsts and not seqs:
+    if not blocks and not seqs:
         return LiveLog()
     head = int(row["head"])  # 0 without blocks
 
-    def around(rows: list[Any] | None, blocks: str | None) -> list[Any]:
+    def joined(column: str) -> str | None:
+        """The blocks' `column` (each a flat JSON list's text, without brackets) as one such text."""
+        return ",".join([b[column] for b in blocks]) if blocks else None
+
+    def around(rows: list[Any] | None, column: str) -> list[Any]:
         rows = rows or []
-        return rows if blocks is None else [*rows[:head], *from_json("[" + blocks + "]"), *rows[head:]]
+        return rows if not blocks else [*rows[:head], *from_json("[" + cast(str, joined(column)) + "]"), *rows[head:]]
 
     row_sources = [(text, seq) for text, seq in zip(row["payloads"] or [], seqs, strict=True)]
     block_seqs: list[int] = []
     block_sources: list[ItemSource] = []
-    for text, first in zip(row["block_payloads"] or [], firsts, strict=True):
+    for block in blocks:
+        first = block["block_first_seq"]
         block_seqs += range(first, first + ITEM_BLOCK)
-        block_sources += [(text, first)] * ITEM_BLOCK
+        block_sources += [(block["block_payloads"], first)] * ITEM_BLOCK
     # The rows' heads, then the blocks': one flat list, parsed in one pass and put in log order.
-    heads = from_json("[" + ",".join(filter(None, (row["heads"], row["block_heads"]))) + "]")
+    heads = from_json("[" + ",".join(filter(None, (row["heads"], joined("block_heads")))) + "]")
     n = ITEM_HEAD_FIELDS
     row_heads, block_heads = heads[: n * len(seqs)], heads[n * len(seqs) :]
     around_heads = [*row_heads[: n * head], *block_heads, *row_heads[n * head :]]
@@ -1136,11 +1176,14 @@ def _live(row: Mapping[str, Any]) -> LiveLog:
         call_ids=around_heads[3::n],
         taints=around_heads[4::n],
         sources=[*row_sources[:head], *block_sources, *row_sources[head:]],
-        renders=around(row["renders"], row["block_renders"]),
-        counts=around(row["counts"], row["block_counts"]),
-        referable=around(row["referable"], row["block_referable"]),
-        pointers=around(row["pointers"], row["block_pointers"]),
+        renders=around(row["renders"], "block_renders"),
+        counts=around(row["counts"], "block_counts"),
+        referable=around(row["referable"], "block_referable"),
+        pointers=around(row["pointers"], "block_pointers"),
     )
+
+
+_block_first = operator.itemgetter("block_first_seq")
 
 
 def _appended(row: Mapping[str, Any], items: Sequence[dict[str, Any]]) -> list[int]:
