@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -366,6 +367,7 @@ async def test_postgres_restart_during_a_model_call(
 
 SESSIONS = 20
 TURNS = 3
+FRESH_CALL_S = 0.5  # how long ago a model call on the doomed worker may have started for the kill to cut it short
 
 
 async def test_two_workers_one_killed_twenty_sessions(
@@ -398,15 +400,20 @@ async def test_two_workers_one_killed_twenty_sessions(
         await _until(a_third_done, "a third of the turns", timeout=60)
 
         async def doomed_busy() -> bool | None:
-            # The kill must cut an activity short: wait for a model call (1 s each, `/sleep 1`: long enough that the
-            # kill lands before it ends, after this probe's round of describes on a loaded machine) running on the
-            # doomed worker (at the moment a third of the turns are done, every running one may be on the survivor).
-            for desc in await asyncio.gather(*(h.describe() for h in handles)):
+            # The kill must cut an activity short: wait for a model call (1 s each, `/sleep 1`) running on the
+            # doomed worker (at the moment a third of the turns are done, every running one may be on the survivor)
+            # that started at most FRESH_CALL_S before this round of describes returned, so that at least the rest
+            # of its second is left for the kill to land in: on a loaded machine the describes of twenty sessions
+            # can take as long as a call, and a call seen started when they were sent may have ended by then.
+            described = await asyncio.gather(*(h.describe() for h in handles))
+            now = datetime.now(UTC)
+            for desc in described:
                 for pending in desc.raw_description.pending_activities:
                     if (
                         pending.activity_type.name == names.ACTIVITY_MODEL
                         and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
                         and pending.last_worker_identity == doomed.identity
+                        and (now - pending.last_started_time.ToDatetime(UTC)).total_seconds() < FRESH_CALL_S
                     ):
                         return True
             return None
