@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 from pydantic_core import from_json
@@ -130,7 +130,8 @@ FROM main JOIN item_blocks b ON b.session_id = $1 AND b.first_seq >= main.blocks
 
 
 def _top_level_count(select: str) -> int:
-    """The expressions of a select list: its commas outside parentheses, plus one."""
+    """The expressions of a select list: its commas outside parentheses, plus one (the lists given to
+    `_with_blocks` have no comma or parenthesis in a string literal outside parentheses)."""
     depth, count = 0, 1
     for char in select:
         depth += (char == "(") - (char == ")")
@@ -1148,13 +1149,13 @@ def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLo
         return LiveLog()
     head = int(row["head"])  # 0 without blocks
 
-    def joined(column: str) -> str | None:
+    def joined(column: str) -> str:
         """The blocks' `column` (each a flat JSON list's text, without brackets) as one such text."""
-        return ",".join([b[column] for b in blocks]) if blocks else None
+        return ",".join([b[column] for b in blocks])
 
     def around(rows: list[Any] | None, column: str) -> list[Any]:
         rows = rows or []
-        return rows if not blocks else [*rows[:head], *from_json("[" + cast(str, joined(column)) + "]"), *rows[head:]]
+        return [*rows[:head], *from_json("[" + joined(column) + "]"), *rows[head:]] if blocks else rows
 
     row_sources = [(text, seq) for text, seq in zip(row["payloads"] or [], seqs, strict=True)]
     block_seqs: list[int] = []
