@@ -89,7 +89,7 @@ WARMUP_TURNS = 5
 LONG_TURN_TIMEOUT_S = 120.0
 SETTLE_S = 2.0
 DEFAULT_THROUGHPUT_ROUNDS = 2
-CLOSE_CONCURRENCY = 50
+SESSION_CALLS_AT_ONCE = 50  # client calls in flight at once over the sessions (ending them, reading histories)
 MB = 1024 * 1024
 # Without eager activities, a turn's activities go to whichever worker polls first, not to the one running the
 # session's workflow task: the worst case for per-worker caches (docs/operations.md).
@@ -250,7 +250,7 @@ class _Bench:
         return handle, turn
 
     async def terminate_all(self) -> None:
-        sem = asyncio.Semaphore(CLOSE_CONCURRENCY)
+        sem = asyncio.Semaphore(SESSION_CALLS_AT_ONCE)
 
         async def stop(handle: WorkflowHandle[Any, Any]) -> None:
             async with sem:
@@ -330,7 +330,7 @@ async def _throughput(
 async def _task_timeouts(handles: Sequence[WorkflowHandle[Any, Any]]) -> int:
     """The workflow tasks that timed out in these sessions, from the server's histories: on a sticky queue, a task
     no poll took in time, handed to the normal queue with the whole history, which the worker then replays."""
-    sem = asyncio.Semaphore(CLOSE_CONCURRENCY)
+    sem = asyncio.Semaphore(SESSION_CALLS_AT_ONCE)
 
     async def count(handle: WorkflowHandle[Any, Any]) -> int:
         async with sem:
