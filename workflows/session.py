@@ -302,7 +302,7 @@ class SessionWorkflow:
     async def _forward(self, signal: Any, change: RevokeTool | GrantTool) -> None:
         """Send an authorisation change to the running child run. The child may have finished already (its result
         not yet seen here): it made its calls without the change, and the state adopted from it takes the
-        session's view of authorisation (`_escalate`), so the change is not lost and the turn goes on."""
+        session's view of authorisation (`_adopt`), so the change is not lost and the turn goes on."""
         assert self.child is not None
         try:
             await self.child.signal(signal, change)

@@ -73,7 +73,6 @@ async def _escalating_turn(handle: Any, on_escalation: Any) -> Any:
 
 
 @pytest.mark.exclusive
-@pytest.mark.exclusive
 async def test_regrant_racing_a_child_start_reaches_the_child(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
