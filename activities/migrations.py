@@ -270,4 +270,13 @@ MIGRATIONS: tuple[str, ...] = (
         WHERE items.session_id = b.session_id AND items.seq BETWEEN b.first_seq AND b.last_seq
     ) WHERE b.heads IS NULL;
     """,
+    # 9: blocks stored uncompressed (docs/operations.md, "Schema and migrations"): a cold read decompresses every
+    # block it reads, and pglz costs PostgreSQL more CPU than the disk it saves (10,000 items: 4.3-4.9 ms a read
+    # against 6.6-7.1 ms compressed, 5.2 MB against 0.9 MB, docs/benchmarks.md). Blocks sealed before it stay
+    # compressed (read as before); rewriting them would lock the table for as long as it takes
+    """
+    ALTER TABLE item_blocks ALTER COLUMN payloads SET STORAGE EXTERNAL, ALTER COLUMN heads SET STORAGE EXTERNAL,
+        ALTER COLUMN renders SET STORAGE EXTERNAL, ALTER COLUMN counts SET STORAGE EXTERNAL,
+        ALTER COLUMN referable SET STORAGE EXTERNAL, ALTER COLUMN pointers SET STORAGE EXTERNAL;
+    """,
 )
