@@ -48,7 +48,7 @@ class MemoLog(Sequence[HistoryItem]):
         self.sources: list[ItemSource] = []
         self._items: list[HistoryItem | None] = []
         self.renders: list[str | None] = []
-        self.counts: list[dict[str, int]] = []  # a count missing is an empty dict
+        self.counts: dict[str, list[int | None]] = {}  # one column per counter key (`LiveLog.counts`)
         self.referable: list[bool] = []
         self.pointers: list[dict[str, Any] | None] = []
 
@@ -63,7 +63,7 @@ class MemoLog(Sequence[HistoryItem]):
             self.sources,
             self._items,
             self.renders,
-            self.counts,
+            *self.counts.values(),
             self.referable,
             self.pointers,
         )
@@ -114,7 +114,7 @@ class MemoLog(Sequence[HistoryItem]):
 
     def extend(self, rows: LiveLog) -> None:
         """Items logged after the last one held, as read."""
-        columns = (
+        columns: tuple[Sequence[Any], ...] = (
             rows.ids,
             rows.kinds,
             rows.trusts,
@@ -122,13 +122,19 @@ class MemoLog(Sequence[HistoryItem]):
             rows.taints,
             rows.sources,
             rows.renders,
-            rows.counts,
+            *rows.counts.values(),
             rows.referable,
             rows.pointers,
         )
         if any(len(column) != len(rows.seqs) for column in columns):
             lengths = [len(rows.seqs), *(len(column) for column in columns)]
             raise ValueError(f"a log read with columns of different lengths: {lengths}")
+        held, n = len(self.seqs), len(rows.seqs)
+        for key in self.counts.keys() | rows.counts.keys():  # a column a run lacks: not counted by that key
+            column = self.counts.get(key)
+            if column is None:
+                column = self.counts[key] = [None] * held
+            column += rows.counts.get(key) or [None] * n
         self.seqs += rows.seqs
         self.ids += rows.ids
         self.kinds += rows.kinds
@@ -138,7 +144,6 @@ class MemoLog(Sequence[HistoryItem]):
         self.sources += rows.sources
         self._items += [None] * len(rows.seqs)
         self.renders += rows.renders
-        self.counts += rows.counts if None not in rows.counts else [c or {} for c in rows.counts]  # type: ignore[arg-type]
         self.referable += rows.referable
         self.pointers += rows.pointers
 

@@ -270,13 +270,48 @@ MIGRATIONS: tuple[str, ...] = (
         WHERE items.session_id = b.session_id AND items.seq BETWEEN b.first_seq AND b.last_seq
     ) WHERE b.heads IS NULL;
     """,
-    # 9: blocks stored uncompressed (docs/operations.md, "Schema and migrations"): a cold read decompresses every
-    # block it reads, and pglz costs PostgreSQL more CPU than the disk it saves (10,000 items: 4.3-4.9 ms a read
-    # against 6.6-7.1 ms compressed, 5.2 MB against 0.9 MB, docs/benchmarks.md). Blocks sealed before it stay
-    # compressed (read as before); rewriting them would lock the table for as long as it takes
-    """
+    # 9: blocks in the columns a cold read parses least, stored uncompressed (docs/operations.md, "Schema and
+    # migrations"): the items' renders as a text array (`render_list`: PostgreSQL sends each one as it is, where the
+    # JSON list's text must be unescaped), their counts by counter (`count_columns`: a JSON object of one list per
+    # counter key, where `counts` holds an object per item); and a block's columns stored as they are, since pglz
+    # costs a cold read more CPU than the disk it saves (docs/benchmarks.md). `renders` and `counts` are still
+    # written, compressed, for the workers of the release before, which read them; the blocks sealed before this
+    # migration get the new columns from their items
+    f"""
+    ALTER TABLE item_blocks ADD COLUMN IF NOT EXISTS render_list text[], ADD COLUMN IF NOT EXISTS count_columns text;
     ALTER TABLE item_blocks ALTER COLUMN payloads SET STORAGE EXTERNAL, ALTER COLUMN heads SET STORAGE EXTERNAL,
-        ALTER COLUMN renders SET STORAGE EXTERNAL, ALTER COLUMN counts SET STORAGE EXTERNAL,
-        ALTER COLUMN referable SET STORAGE EXTERNAL, ALTER COLUMN pointers SET STORAGE EXTERNAL;
+        ALTER COLUMN referable SET STORAGE EXTERNAL, ALTER COLUMN pointers SET STORAGE EXTERNAL,
+        ALTER COLUMN render_list SET STORAGE EXTERNAL, ALTER COLUMN count_columns SET STORAGE EXTERNAL;
+    CREATE OR REPLACE FUNCTION item_block_count_columns(sid text, first integer) RETURNS text LANGUAGE sql AS $$
+        SELECT coalesce(json_object_agg(k.key, (
+                   SELECT json_agg(i.tokens -> k.key ORDER BY i.seq) FROM items i
+                   WHERE i.session_id = sid AND i.seq BETWEEN first AND first + 255
+               ) ORDER BY k.key), '{{}}')::text
+        FROM (SELECT DISTINCT jsonb_object_keys(tokens) AS key FROM items
+              WHERE session_id = sid AND seq BETWEEN first AND first + 255 AND tokens IS NOT NULL) k
+    $$;
+    CREATE OR REPLACE FUNCTION item_block_seal(sid text, first integer) RETURNS void LANGUAGE sql AS $$
+        INSERT INTO item_blocks (session_id, first_seq, last_seq, payloads, renders, counts, referable, pointers, heads,
+                                 render_list, count_columns)
+        SELECT sid, first, first + 255,
+               string_agg(payload::text, ',' ORDER BY seq),
+               string_agg(coalesce(to_json(rendered)::text, 'null'), ',' ORDER BY seq),
+               string_agg(coalesce(tokens::text, 'null'), ',' ORDER BY seq),
+               string_agg(CASE WHEN segment IS NULL THEN 'false' ELSE 'true' END, ',' ORDER BY seq),
+               string_agg(coalesce(pointer::text, 'null'), ',' ORDER BY seq),
+               string_agg({ITEM_HEAD}, ',' ORDER BY seq),
+               array_agg(rendered ORDER BY seq),
+               item_block_count_columns(sid, first)
+        FROM items WHERE session_id = sid AND seq BETWEEN first AND first + 255
+        HAVING count(*) = 256
+        ON CONFLICT DO NOTHING
+    $$;
+    UPDATE item_blocks b SET
+        render_list = (
+            SELECT array_agg(rendered ORDER BY seq) FROM items
+            WHERE items.session_id = b.session_id AND items.seq BETWEEN b.first_seq AND b.last_seq
+        ),
+        count_columns = item_block_count_columns(b.session_id, b.first_seq)
+    WHERE b.render_list IS NULL;
     """,
 )

@@ -6,8 +6,10 @@ write stores beside each item it logs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import repeat
 from typing import Any
 
 from core.items import HistoryItem, parse_history_item, parse_history_json
@@ -62,7 +64,8 @@ class LiveLog:
     taints: list[bool | None] = field(default_factory=list)
     sources: list[ItemSource] = field(default_factory=list)
     renders: list[str | None] = field(default_factory=list)  # each one's segment text (None: not stored)
-    counts: list[dict[str, int] | None] = field(default_factory=list)  # its raw token count per counter key
+    # Each one's raw token count, one column per counter key (None: not counted by it): `count_columns`.
+    counts: dict[str, list[int | None]] = field(default_factory=dict)
     # Whether its segment's other fields were stored too: a request body may refer to it.
     referable: list[bool] = field(default_factory=list)
     # A tool result's pointer render: {"text", "tokens" per counter key}.
@@ -89,7 +92,7 @@ class LiveLog:
             taints=[s.get("taints") for s in stored],
             sources=list(payloads),
             renders=renders,
-            counts=counts,
+            counts=count_columns(counts),
             referable=[s is not None for s in segments],
             pointers=pointers,
         )
@@ -286,3 +289,23 @@ class CallReads:
     calibration: float | None
     provider_calibration: float | None
     request: StoredRequest | None = None
+
+
+def count_columns(counts: Sequence[dict[str, int] | None]) -> dict[str, list[int | None]]:
+    """Items' counts (each its raw token count per counter key; None: not counted) as one column per counter key,
+    a key present when an item was counted by it: the form a block stores them in (migration 9)."""
+    keys = sorted({key for by_key in counts if by_key for key in by_key})
+    dicts = [by_key or {} for by_key in counts]
+    return {key: list(map(dict.get, dicts, repeat(key))) for key in keys}
+
+
+def joined_counts(parts: Sequence[tuple[int, dict[str, list[int | None]]]]) -> dict[str, list[int | None]]:
+    """Count columns of consecutive runs of items (each run's length and its columns) as the columns of them all:
+    a run without a key's column was not counted by it."""
+    out: dict[str, list[int | None]] = {}
+    for key in sorted({key for _, columns in parts for key in columns}):
+        column: list[int | None] = []
+        for n, columns in parts:
+            column += columns.get(key) or [None] * n
+        out[key] = column
+    return out

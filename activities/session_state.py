@@ -349,7 +349,8 @@ class SessionCache:
         In whole-column steps (a cold worker takes thousands): only the pointers are visited one by one."""
         key, log = cache.counter_key, self.items
         stop = len(log)
-        counts: list[int | None] = list(map(dict.get, log.counts[start:stop], repeat(key)))
+        column = log.counts.get(key)
+        counts: list[int | None] = column[start:stop] if column is not None else [None] * (stop - start)
         texts = log.renders[start:stop]
         segs: list[Segment | None] | None = None
         if None not in counts and None not in texts:

@@ -38,6 +38,8 @@ from activities.rows import (
     SummarizerCall,
     TurnReads,
     WrittenMemory,
+    count_columns,
+    joined_counts,
 )
 from core.compaction import run_trust
 from core.items import parse_history_item
@@ -90,6 +92,7 @@ def _live_log(after: str) -> str:
       SELECT x.first_seq, x.last_seq, min(x.first_seq) OVER () + (row_number() OVER (ORDER BY x.first_seq) - 1)
                   * (x.last_seq - x.first_seq + 1) AS unbroken_at
       FROM item_blocks x WHERE x.session_id = $1 AND x.first_seq > {after} AND x.heads IS NOT NULL
+        AND x.render_list IS NOT NULL
     ) x WHERE x.first_seq = x.unbroken_at
   ) b, LATERAL (
     SELECT count(*) FILTER (WHERE i.seq < b.first_seq) AS head, array_agg(i.seq ORDER BY i.seq) AS seqs,
@@ -106,7 +109,8 @@ def _live_log(after: str) -> str:
 LIVE_LOG_COLUMNS = """log.head, log.seqs, log.payloads, log.heads, log.renders, log.counts, log.referable, log.pointers,
   log.blocks_from, log.blocks_to"""
 # A sealed block's columns, as `_with_blocks` returns them (`block_first_seq` NULL: the query's own row).
-BLOCK_COLUMNS = ("first_seq", "payloads", "heads", "renders", "counts", "referable", "pointers")
+BLOCK_COLUMNS = ("first_seq", "payloads", "heads", "render_list", "count_columns", "referable", "pointers")
+_BLOCK_COLUMN_TYPES = {"first_seq": "integer", "render_list": "text[]"}  # the others are text
 
 
 def _with_blocks(select: str, rest: str) -> str:
@@ -119,14 +123,14 @@ def _with_blocks(select: str, rest: str) -> str:
     difference fresh memory it faults in for every read). Read them with `Store._fetch_with_blocks`."""
     width = _top_level_count(select)
     nulls = ", ".join(["NULL"] * width)
-    block_nulls = ", ".join(f"NULL::{'integer' if c == 'first_seq' else 'text'} AS block_{c}" for c in BLOCK_COLUMNS)
+    block_nulls = ", ".join(f"NULL::{_BLOCK_COLUMN_TYPES.get(c, 'text')} AS block_{c}" for c in BLOCK_COLUMNS)
     block_cols = ", ".join(f"b.{c}" for c in BLOCK_COLUMNS)
     return f"""WITH main AS (SELECT {select} {rest})
 SELECT main.*, {block_nulls} FROM main
 UNION ALL
 SELECT {nulls}, {block_cols}
 FROM main JOIN item_blocks b ON b.session_id = $1 AND b.first_seq >= main.blocks_from
-  AND b.last_seq <= main.blocks_to AND b.heads IS NOT NULL"""
+  AND b.last_seq <= main.blocks_to AND b.heads IS NOT NULL AND b.render_list IS NOT NULL"""
 
 
 def _top_level_count(select: str) -> int:
@@ -1142,8 +1146,9 @@ def _entries(items: Sequence[dict[str, Any]], renders: Sequence[ItemRender] | No
 def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLog:
     """The log read by `_live_log` (`row`) and `_with_blocks` (`blocks`, in log order), parsed: the rows before the
     blocks, the blocks, the rows after them. The heads in one pass (a flat list, `ITEM_HEAD_FIELDS` elements an
-    item), the blocks' other columns each in one pass, the rows' as they came; the payloads are not parsed (each
-    block's, and each row's, is its items' source)."""
+    item), the blocks' renders as the arrays they came as, their counts a column per counter key, their other
+    columns each in one pass; the rows' as they came; the payloads are not parsed (each block's, and each row's,
+    is its items' source)."""
     seqs = row["seqs"] or []
     if not blocks and not seqs:
         return LiveLog()
@@ -1160,15 +1165,19 @@ def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLo
     row_sources = [(text, seq) for text, seq in zip(row["payloads"] or [], seqs, strict=True)]
     block_seqs: list[int] = []
     block_sources: list[ItemSource] = []
+    block_renders: list[str | None] = []
     for block in blocks:
         first = block["block_first_seq"]
         block_seqs += range(first, first + ITEM_BLOCK)
         block_sources += [(block["block_payloads"], first)] * ITEM_BLOCK
+        block_renders += block["block_render_list"]
     # The rows' heads, then the blocks': one flat list, parsed in one pass and put in log order.
     heads = from_json("[" + ",".join(filter(None, (row["heads"], joined("block_heads")))) + "]")
     n = ITEM_HEAD_FIELDS
     row_heads, block_heads = heads[: n * len(seqs)], heads[n * len(seqs) :]
     around_heads = [*row_heads[: n * head], *block_heads, *row_heads[n * head :]]
+    renders = row["renders"] or []
+    counts = row["counts"] or []
     return LiveLog(
         seqs=[*seqs[:head], *block_seqs, *seqs[head:]],
         ids=around_heads[0::n],
@@ -1177,8 +1186,14 @@ def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLo
         call_ids=around_heads[3::n],
         taints=around_heads[4::n],
         sources=[*row_sources[:head], *block_sources, *row_sources[head:]],
-        renders=around(row["renders"], "block_renders"),
-        counts=around(row["counts"], "block_counts"),
+        renders=[*renders[:head], *block_renders, *renders[head:]],
+        counts=joined_counts(
+            [
+                (head, count_columns(counts[:head])),
+                *((ITEM_BLOCK, from_json(b["block_count_columns"])) for b in blocks),
+                (len(seqs) - head, count_columns(counts[head:])),
+            ]
+        ),
         referable=around(row["referable"], "block_referable"),
         pointers=around(row["pointers"], "block_pointers"),
     )

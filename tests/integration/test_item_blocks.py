@@ -4,13 +4,14 @@ from any position; no Temporal (the activities run in an ActivityEnvironment).""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities import store as store_module
-from activities.migrations import MIGRATIONS
+from activities.migrations import ITEM_BLOCK, MIGRATIONS
 from activities.providers import build_providers
 from activities.rows import LiveLog
 from activities.session import SessionActivities
@@ -165,8 +166,9 @@ async def test_workers_that_have_not_seen_the_session_read_it_through_the_blocks
 
 async def test_the_migration_seals_the_blocks_of_items_logged_before_it(pg_dsn: str) -> None:
     """The session's blocks removed (items logged before migration 7), the migrations run again seal them as the
-    trigger had, byte for byte, heads included (migration 8 gives the blocks sealed before it their heads; until
-    then they are read as rows); they are re-runnable."""
+    trigger had, byte for byte, heads, render lists and count columns included (migrations 8 and 9 give the blocks
+    sealed before them their heads, and their render lists and count columns; until then they are read as rows);
+    they are re-runnable."""
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, _ = await cold_build.seed(store, 600)
@@ -179,41 +181,58 @@ async def test_the_migration_seals_the_blocks_of_items_logged_before_it(pg_dsn: 
         assert [r["heads"] for r in await store.pool.fetch(SQL_BLOCKS, session_id)] == [None, None]
         _, without_heads = await store.load_live_items(session_id)
         assert _columns(without_heads) == _columns(rows_only)
-        await store.pool.execute(MIGRATIONS[7])
+        await store.pool.execute(MIGRATIONS[7])  # gives them their heads, as migration 8 did: no render list yet
+        assert [r["render_list"] for r in await store.pool.fetch(SQL_BLOCKS, session_id)] == [None, None]
+        _, without_lists = await store.load_live_items(session_id)
+        assert _columns(without_lists) == _columns(rows_only)
+        await store.pool.execute(MIGRATIONS[8])
         assert [dict(r) for r in await store.pool.fetch(SQL_BLOCKS, session_id)] == sealed
         _, through_blocks = await store.load_live_items(session_id)
         assert _columns(through_blocks) == _columns(rows_only)
 
 
-BLOCK_TEXT_COLUMNS = ("payloads", "heads", "renders", "counts", "referable", "pointers")
+BLOCK_READ_COLUMNS = ("payloads", "heads", "render_list", "count_columns", "referable", "pointers")
 
 
 async def test_blocks_are_stored_uncompressed_and_a_compressed_one_reads_the_same(pg_dsn: str) -> None:
     """Since migration 9 a sealed block's columns are stored as they are (a cold read decompresses none of them);
     a block sealed before it, compressed, reads the same as the items' rows."""
-    compression = ", ".join(f"pg_column_compression({c}) AS {c}" for c in BLOCK_TEXT_COLUMNS)
+    compression = ", ".join(f"pg_column_compression({c}) AS {c}" for c in BLOCK_READ_COLUMNS)
     async with Store.from_dsn(pg_dsn) as store:
         await store.migrate()
         session_id, _ = await cold_build.seed(store, 600)
         rows = await store.pool.fetch(f"SELECT {compression} FROM item_blocks WHERE session_id = $1", session_id)
-        assert len(rows) == 2 and all(r[c] is None for r in rows for c in BLOCK_TEXT_COLUMNS), [dict(r) for r in rows]
+        assert len(rows) == 2 and all(r[c] is None for r in rows for c in BLOCK_READ_COLUMNS), [dict(r) for r in rows]
         _, uncompressed = await store.load_live_items(session_id, -1)
+        assert _through_blocks(uncompressed) == 2
         assert _columns(uncompressed) == await _from_rows(store, session_id, -1)
         # Compressed as PostgreSQL compresses by default (a table of the default storage), then copied as stored.
         async with store.pool.acquire() as conn, conn.transaction():
             await conn.execute("CREATE TEMP TABLE packed (LIKE item_blocks) ON COMMIT DROP")
-            texts = ", ".join(f"{c} || ''" for c in BLOCK_TEXT_COLUMNS)
+            # Each value made anew (a copy keeps its stored form), so the table's default storage compresses it.
+            texts = ", ".join(
+                f"{c} || {'ARRAY[]::text[]' if c == 'render_list' else repr('')}" for c in BLOCK_READ_COLUMNS
+            )
+            columns = ", ".join(BLOCK_READ_COLUMNS)
             await conn.execute(
-                f"INSERT INTO packed (session_id, first_seq, last_seq, {', '.join(BLOCK_TEXT_COLUMNS)}) "
-                f"SELECT session_id, first_seq, last_seq, {texts} FROM item_blocks WHERE session_id = $1",
+                f"INSERT INTO packed (session_id, first_seq, last_seq, renders, counts, {columns}) "
+                f"SELECT session_id, first_seq, last_seq, renders, counts, {texts} FROM item_blocks "
+                "WHERE session_id = $1",
                 session_id,
             )
-            sets = ", ".join(f"{c} = p.{c}" for c in BLOCK_TEXT_COLUMNS)
+            sets = ", ".join(f"{c} = p.{c}" for c in BLOCK_READ_COLUMNS)
             await conn.execute(
                 f"UPDATE item_blocks b SET {sets} FROM packed p "
                 "WHERE b.session_id = p.session_id AND b.first_seq = p.first_seq"
             )
         packed = await store.pool.fetch(f"SELECT {compression} FROM item_blocks WHERE session_id = $1", session_id)
-        assert {r["renders"] for r in packed} == {"pglz"}, [dict(r) for r in packed]
+        assert {r["render_list"] for r in packed} == {r["payloads"] for r in packed} == {"pglz"}, packed
         _, through_packed = await store.load_live_items(session_id, -1)
+        assert _through_blocks(through_packed) == 2
         assert _columns(through_packed) == await _from_rows(store, session_id, -1)
+
+
+def _through_blocks(log: LiveLog) -> int:
+    """How many blocks `log` was read through (a block's 256 items share its payloads as their source; an item read
+    from its row has a source of its own)."""
+    return sum(1 for n in Counter(map(id, log.sources)).values() if n == ITEM_BLOCK)
