@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from activities.rows import LiveLog
+from activities.rows import LiveLog, count_columns, joined_counts
 from activities.session_state import SessionCache
 from activities.store import _composed, _tagged
 from core.budget import ContextBudget
@@ -133,6 +133,31 @@ def test_a_log_read_with_columns_of_different_lengths_is_refused() -> None:
     short = dataclasses.replace(log, renders=log.renders[:-1])
     with pytest.raises(ValueError):
         SessionCache(SECRET).catch_up(short, -1)
+
+
+def test_counts_by_counter_join_the_memo_item_by_item() -> None:
+    """Counts are kept a column per counter key: reads counted by different counters (a route changed between
+    them) join as columns in which an item another counter counted has none, and a checkpoint drops every column's
+    head; the columns are the per-item counts, item by item."""
+    items = history(4)
+    first, second = items[: len(items) // 2], items[len(items) // 2 :]
+    per_item = [{"a": 1, "b": 2}, None, {"b": 3}] + [{"a": k} for k in range(len(first) - 3)]
+    assert count_columns(per_item) == {
+        "a": [1, None, None, *range(len(first) - 3)],
+        "b": [2, None, 3, *[None] * (len(first) - 3)],
+    }
+    old = dataclasses.replace(_log(first), counts=count_columns(per_item))
+    new = dataclasses.replace(_log(second), counts={"c": list(range(len(second)))})
+    cache = SessionCache(SECRET)
+    cache.catch_up(old, -1)
+    cache.catch_up(new, -1)
+    held = cache.items.counts
+    assert held == joined_counts([(len(first), old.counts), (len(second), new.counts)])
+    assert held["c"] == [None] * len(first) + list(range(len(second)))
+    assert held["a"][: len(first)] == old.counts["a"] and held["a"][len(first) :] == [None] * len(second)
+    cache.prune(items[1].seq)  # covers the first two
+    assert {key: len(column) for key, column in cache.items.counts.items()} == dict.fromkeys("abc", len(items) - 2)
+    assert cache.items.counts["b"][0] == 3
 
 
 def test_segments_made_together_are_the_ones_made_one_by_one() -> None:
