@@ -276,12 +276,15 @@ MIGRATIONS: tuple[str, ...] = (
     # counter key, where `counts` holds an object per item); and a block's columns stored as they are, since pglz
     # costs a cold read more CPU than the disk it saves (docs/benchmarks.md). `renders` and `counts` are still
     # written, compressed, for the workers of the release before, which read them; the blocks sealed before this
-    # migration get the new columns from their items
+    # migration get the new columns from their items, by the functions the seal uses (so the two cannot differ)
     f"""
     ALTER TABLE item_blocks ADD COLUMN IF NOT EXISTS render_list text[], ADD COLUMN IF NOT EXISTS count_columns text;
     ALTER TABLE item_blocks ALTER COLUMN payloads SET STORAGE EXTERNAL, ALTER COLUMN heads SET STORAGE EXTERNAL,
         ALTER COLUMN referable SET STORAGE EXTERNAL, ALTER COLUMN pointers SET STORAGE EXTERNAL,
         ALTER COLUMN render_list SET STORAGE EXTERNAL, ALTER COLUMN count_columns SET STORAGE EXTERNAL;
+    CREATE OR REPLACE FUNCTION item_block_render_list(sid text, first integer) RETURNS text[] LANGUAGE sql AS $$
+        SELECT array_agg(rendered ORDER BY seq) FROM items WHERE session_id = sid AND seq BETWEEN first AND first + 255
+    $$;
     CREATE OR REPLACE FUNCTION item_block_count_columns(sid text, first integer) RETURNS text LANGUAGE sql AS $$
         SELECT coalesce(json_object_agg(k.key, (
                    SELECT json_agg(i.tokens -> k.key ORDER BY i.seq) FROM items i
@@ -300,17 +303,13 @@ MIGRATIONS: tuple[str, ...] = (
                string_agg(CASE WHEN segment IS NULL THEN 'false' ELSE 'true' END, ',' ORDER BY seq),
                string_agg(coalesce(pointer::text, 'null'), ',' ORDER BY seq),
                string_agg({ITEM_HEAD}, ',' ORDER BY seq),
-               array_agg(rendered ORDER BY seq),
+               item_block_render_list(sid, first),
                item_block_count_columns(sid, first)
         FROM items WHERE session_id = sid AND seq BETWEEN first AND first + 255
         HAVING count(*) = 256
         ON CONFLICT DO NOTHING
     $$;
-    UPDATE item_blocks b SET
-        render_list = (
-            SELECT array_agg(rendered ORDER BY seq) FROM items
-            WHERE items.session_id = b.session_id AND items.seq BETWEEN b.first_seq AND b.last_seq
-        ),
+    UPDATE item_blocks b SET render_list = item_block_render_list(b.session_id, b.first_seq),
         count_columns = item_block_count_columns(b.session_id, b.first_seq)
     WHERE b.render_list IS NULL;
     """,
