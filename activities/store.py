@@ -70,29 +70,43 @@ SELECT seq, turn, payload, rendered, tokens, segment IS NOT NULL AS referable, p
 WHERE session_id = $1 AND seq > $2 ORDER BY seq"""
 
 
+def _session_blocks(columns: Sequence[str]) -> str:
+    """A subquery of session $1's sealed blocks, in `columns`: its full blocks (`item_blocks`, 256 items each; those
+    with heads and render lists, which migrations 8 and 9 gave every block) and its tail blocks (`item_tail_blocks`,
+    64 items each, after the last full block; migration 10). The trigger never seals a tail block where a full block
+    is, nor keeps one where a full block is sealed; should one be there all the same, the full block wins."""
+    cols = ", ".join(columns)
+    return f"""(
+    SELECT {cols} FROM item_blocks WHERE session_id = $1 AND heads IS NOT NULL AND render_list IS NOT NULL
+    UNION ALL
+    SELECT {cols} FROM item_tail_blocks t WHERE t.session_id = $1 AND NOT EXISTS (
+      SELECT 1 FROM item_blocks f WHERE f.session_id = $1 AND f.first_seq = t.first_seq - t.first_seq % {ITEM_BLOCK})
+  )"""
+
+
 def _live_log(after: str) -> str:
     """The lateral subquery `log`: of session $1's items after position `after`, the rows of those no sealed block
     holds (`head` of them before the blocks, the rest after), as parallel arrays (each payload as JSON text: arrays
     cost PostgreSQL and the client a fraction of what a JSON aggregate of the rows costs), each item's head
-    (`ITEM_HEAD`) as one flat list's text; and the run of sealed blocks (`item_blocks`: what a memo reads of 256
-    items, as JSON text) that begins after `after`, as its first and last positions (`blocks_from`, `blocks_to`).
-    The blocks themselves come as rows of their own after the query's one row (`_with_blocks`). Select
-    `LIVE_LOG_COLUMNS`; read them with `_live`.
+    (`ITEM_HEAD`) as one flat list's text; and the run of sealed blocks (`_session_blocks`: full blocks of 256
+    items, then tail blocks of 64) that begins after `after`, as its first and last positions (`blocks_from`,
+    `blocks_to`). The blocks themselves come as rows of their own after the query's one row (`_with_blocks`).
+    Select `LIVE_LOG_COLUMNS`; read them with `_live`.
 
-    Only the unbroken run of blocks from the first one is read as blocks: should a block be missing from the
-    middle (the trigger seals every one, but the table is derived state an operator may clear) or have no heads
-    (sealed before migration 8, which gives them theirs), the items from the gap on are read as rows, never
-    skipped. The rows are read by two ranges of the index, before the blocks
-    and after them: a read touches the rows outside the blocks, not the session's whole log."""
+    Only the unbroken run of blocks from the first one is read as blocks (each block begins where the ones before
+    it, whatever their sizes, end): should a block be missing from the middle (the trigger seals every one, but
+    the tables are derived state an operator may clear) or have no heads (sealed before migration 8, which gives
+    them theirs), the items from the gap on are read as rows, never skipped. The rows are read by two ranges of the
+    index, before the blocks and after them: a read touches the rows outside the blocks, not the session's whole
+    log."""
     return f"""LEFT JOIN LATERAL (
   SELECT r.*, b.first_seq AS blocks_from, b.last_seq AS blocks_to
   FROM (
     SELECT min(first_seq) AS first_seq, max(last_seq) AS last_seq
     FROM (
-      SELECT x.first_seq, x.last_seq, min(x.first_seq) OVER () + (row_number() OVER (ORDER BY x.first_seq) - 1)
-                  * (x.last_seq - x.first_seq + 1) AS unbroken_at
-      FROM item_blocks x WHERE x.session_id = $1 AND x.first_seq > {after} AND x.heads IS NOT NULL
-        AND x.render_list IS NOT NULL
+      SELECT x.first_seq, x.last_seq, min(x.first_seq) OVER () + coalesce(sum(x.last_seq - x.first_seq + 1) OVER (
+                  ORDER BY x.first_seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS unbroken_at
+      FROM {_session_blocks(("first_seq", "last_seq"))} x WHERE x.first_seq > {after}
     ) x WHERE x.first_seq = x.unbroken_at
   ) b, LATERAL (
     SELECT count(*) FILTER (WHERE i.seq < b.first_seq) AS head, array_agg(i.seq ORDER BY i.seq) AS seqs,
@@ -109,8 +123,8 @@ def _live_log(after: str) -> str:
 LIVE_LOG_COLUMNS = """log.head, log.seqs, log.payloads, log.heads, log.renders, log.counts, log.referable, log.pointers,
   log.blocks_from, log.blocks_to"""
 # A sealed block's columns, as `_with_blocks` returns them (`block_first_seq` NULL: the query's own row).
-BLOCK_COLUMNS = ("first_seq", "payloads", "heads", "render_list", "count_columns", "referable", "pointers")
-_BLOCK_COLUMN_TYPES = {"first_seq": "integer", "render_list": "text[]"}  # the others are text
+BLOCK_COLUMNS = ("first_seq", "last_seq", "payloads", "heads", "render_list", "count_columns", "referable", "pointers")
+_BLOCK_COLUMN_TYPES = {"first_seq": "integer", "last_seq": "integer", "render_list": "text[]"}  # others: text
 
 
 def _with_blocks(select: str, rest: str) -> str:
@@ -129,8 +143,7 @@ def _with_blocks(select: str, rest: str) -> str:
 SELECT main.*, {block_nulls} FROM main
 UNION ALL
 SELECT {nulls}, {block_cols}
-FROM main JOIN item_blocks b ON b.session_id = $1 AND b.first_seq >= main.blocks_from
-  AND b.last_seq <= main.blocks_to AND b.heads IS NOT NULL AND b.render_list IS NOT NULL"""
+FROM main JOIN {_session_blocks(BLOCK_COLUMNS)} b ON b.first_seq >= main.blocks_from AND b.last_seq <= main.blocks_to"""
 
 
 def _top_level_count(select: str) -> int:
@@ -1167,9 +1180,9 @@ def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLo
     block_sources: list[ItemSource] = []
     block_renders: list[str | None] = []
     for block in blocks:
-        first = block["block_first_seq"]
-        block_seqs += range(first, first + ITEM_BLOCK)
-        block_sources += [(block["block_payloads"], first)] * ITEM_BLOCK
+        first, last = block["block_first_seq"], block["block_last_seq"]
+        block_seqs += range(first, last + 1)
+        block_sources += [(block["block_payloads"], first)] * (last - first + 1)
         block_renders += block["block_render_list"]
     # The rows' heads, then the blocks': one flat list, parsed in one pass and put in log order.
     heads = from_json("[" + ",".join(filter(None, (row["heads"], joined("block_heads")))) + "]")
@@ -1190,7 +1203,10 @@ def _live(row: Mapping[str, Any], blocks: Sequence[Mapping[str, Any]]) -> LiveLo
         counts=joined_counts(
             [
                 (head, count_columns(counts[:head])),
-                *((ITEM_BLOCK, from_json(b["block_count_columns"])) for b in blocks),
+                *(
+                    (b["block_last_seq"] - b["block_first_seq"] + 1, from_json(b["block_count_columns"]))
+                    for b in blocks
+                ),
                 (len(seqs) - head, count_columns(counts[head:])),
             ]
         ),
