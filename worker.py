@@ -34,7 +34,7 @@ from temporalio.worker import Interceptor, PollerBehaviorAutoscaling, Worker
 from activities.compaction import CompactionActivities
 from activities.failures import FailureInterceptor
 from activities.provider import ModelProvider
-from activities.providers import build_providers
+from activities.providers import build_providers, close_providers
 from activities.session import SessionActivities
 from activities.store import Store
 from activities.tools import Executor
@@ -172,7 +172,8 @@ async def running_worker(
     eager_activities: bool = True,
     graceful_shutdown: timedelta = timedelta(0),
 ) -> AsyncIterator[Worker]:
-    """A started worker with every workflow and activity registered; stopped on exit.
+    """A started worker with every workflow and activity registered; stopped on exit, and the SDK clients of the
+    providers it built closed.
 
     `providers`, `executors`, `activities_class` and `interceptors` are how the development harness registers
     its adversarial models, tools and faults (production passes none of them). `embedded_services`: the worker
@@ -180,27 +181,31 @@ async def running_worker(
     scripted model; any other worker refuses such a session at open (ModelRouteRequired). `graceful_shutdown`:
     how long running activities may take to finish when the worker stops (`main` passes `GRACEFUL_SHUTDOWN`).
     """
-    activities = activities_class(
-        store,
-        {**build_providers(), **(providers or {})},
-        search_attributes=await search_attributes_registered(client),
-        executors=executors,
-        scripted_by_default=embedded_services,
-    )
-    worker = Worker(
-        client,
-        task_queue=task_queue,
-        workflows=WORKFLOWS,
-        activities=[*activities.all(), *CompactionActivities(activities.state).all()],
-        max_cached_workflows=max_cached_workflows,
-        interceptors=[FailureInterceptor(), *interceptors],
-        sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
-        workflow_task_poller_behavior=WORKFLOW_TASK_POLLS,
-        disable_eager_activity_execution=not eager_activities,
-        graceful_shutdown_timeout=graceful_shutdown,
-    )
-    async with worker:
-        yield worker
+    built = build_providers()  # closed when the worker stops (the harness's own `providers` are its caller's)
+    try:
+        activities = activities_class(
+            store,
+            {**built, **(providers or {})},
+            search_attributes=await search_attributes_registered(client),
+            executors=executors,
+            scripted_by_default=embedded_services,
+        )
+        worker = Worker(
+            client,
+            task_queue=task_queue,
+            workflows=WORKFLOWS,
+            activities=[*activities.all(), *CompactionActivities(activities.state).all()],
+            max_cached_workflows=max_cached_workflows,
+            interceptors=[FailureInterceptor(), *interceptors],
+            sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
+            workflow_task_poller_behavior=WORKFLOW_TASK_POLLS,
+            disable_eager_activity_execution=not eager_activities,
+            graceful_shutdown_timeout=graceful_shutdown,
+        )
+        async with worker:
+            yield worker
+    finally:
+        await close_providers(built.values())
 
 
 @contextmanager

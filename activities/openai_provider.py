@@ -448,6 +448,10 @@ class OpenAIProvider:
         self.client = openai.AsyncOpenAI(**options)
         self._counter = counter
 
+    async def aclose(self) -> None:
+        """Close the SDK client's connections (the worker does, when it stops)."""
+        await self.client.close()
+
     def route_profile(self, profile: ModelProfile, options: Mapping[str, Any]) -> ModelProfile:
         return takes_no_options(self.name, profile, options)
 

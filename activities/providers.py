@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from activities.anthropic_provider import AnthropicProvider
 from activities.openai_provider import OpenAIProvider
 from activities.provider import ModelProvider, ScriptedProvider
@@ -17,3 +19,11 @@ def build_providers(counter: TiktokenCounter | None = None) -> dict[str, ModelPr
         "openai": OpenAIProvider.from_env(counter=counter),
         "anthropic": AnthropicProvider.from_env(),
     }
+
+
+async def close_providers(providers: Iterable[ModelProvider]) -> None:
+    """Close the SDK clients of the providers that hold one (`aclose`: the adapters' connection pools)."""
+    for provider in providers:
+        close = getattr(provider, "aclose", None)
+        if close is not None:
+            await close()

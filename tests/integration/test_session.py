@@ -6,12 +6,15 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from activities.provider import ModelProvider
+from activities.session import SessionActivities
 from contract import names
 from contract.payloads import ModelRoute, RevokeTool, SessionOpen, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
@@ -228,6 +231,31 @@ async def test_a_session_without_a_model_route(temporal_client: Client, pg_dsn: 
         assert (await turn(handle, "hello")).turn == 1
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.model_route == ModelRoute(provider="scripted", model="scripted-1")
+
+
+class _KeptProviders(SessionActivities):
+    """The session activities, keeping the providers each worker gave them."""
+
+    given: ClassVar[list[dict[str, ModelProvider]]] = []
+
+    def __init__(self, store: Any, providers: dict[str, ModelProvider], **kwargs: Any) -> None:
+        super().__init__(store, providers, **kwargs)
+        _KeptProviders.given.append(providers)
+
+
+async def test_a_stopped_worker_has_closed_its_adapters_sdk_clients(
+    temporal_client: Client, pg_dsn: str, task_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OpenAI and Anthropic adapters a worker builds (their keys set) hold SDK clients with connection pools:
+    open while the worker runs, closed once it has stopped."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
+    _KeptProviders.given.clear()
+    async with stack(temporal_client, pg_dsn, task_queue, activities_class=_KeptProviders):
+        (providers,) = _KeptProviders.given
+        clients = [providers["openai"].client, providers["anthropic"].client]  # type: ignore[attr-defined]
+        assert not any(c.is_closed() for c in clients)
+    assert all(c.is_closed() for c in clients)
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
