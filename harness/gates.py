@@ -23,6 +23,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
+from activities.providers import close_providers
 from activities.rebuild import rebuild_session
 from activities.session import SessionActivities
 from activities.store import Store
@@ -144,6 +145,7 @@ async def live_stack(
         if servers is not None:
             adapters = wire_adapters or {}
             on_wire = servers.providers(adapters.get("openai"), adapters.get("anthropic"))
+            stack.push_async_callback(close_providers, list(on_wire.values()))  # after the worker has stopped
         await stack.enter_async_context(
             running_worker(
                 client,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from temporalio.exceptions import ApplicationError
@@ -25,7 +25,7 @@ from activities.provider import (
     ProviderSegment,
     SummaryRequest,
 )
-from activities.providers import build_providers
+from activities.providers import build_providers, close_providers
 from activities.tokens import TiktokenCounter
 from contract.payloads import DEFAULT_PLATFORM_POLICY
 from core.budget import ContextBudget
@@ -135,12 +135,30 @@ def anthropic_srv(anthropic_fake: FakeServer) -> FakeServer:
     return anthropic_fake
 
 
+P = TypeVar("P", bound=ModelProvider)
+
+# The adapters a test makes, their SDK clients closed after it (as a worker closes its own when it stops).
+MADE: list[ModelProvider] = []
+
+
+def made(provider: P) -> P:
+    MADE.append(provider)
+    return provider
+
+
+@pytest.fixture(autouse=True)
+async def _close_adapters() -> AsyncIterator[None]:
+    yield
+    await close_providers(MADE)
+    MADE.clear()
+
+
 def openai_provider(server: FakeServer) -> OpenAIProvider:
-    return OpenAIProvider(api_key="test-key", base_url=server.url + "/v1", counter=COUNTER)
+    return made(OpenAIProvider(api_key="test-key", base_url=server.url + "/v1", counter=COUNTER))
 
 
 def anthropic_provider(server: FakeServer) -> AnthropicProvider:
-    return AnthropicProvider(api_key="test-key", base_url=server.url)
+    return made(AnthropicProvider(api_key="test-key", base_url=server.url))
 
 
 # ------------------------------------------------------------------------------------ a growing session
@@ -669,7 +687,7 @@ async def test_unreachable_server_is_retryable(kind: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    provider: ModelProvider = (
+    provider: ModelProvider = made(
         OpenAIProvider(api_key="k", base_url=f"http://127.0.0.1:{port}/v1")
         if kind == "openai"
         else AnthropicProvider(api_key="k", base_url=f"http://127.0.0.1:{port}")

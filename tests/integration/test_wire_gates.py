@@ -5,7 +5,7 @@ production code reads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ import pytest
 from activities.anthropic_provider import AnthropicProvider
 from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
 from activities.provider import ProviderReply, ProviderRequest
+from activities.providers import close_providers
 from activities.wire import wire_prefix
 from core.build import FrozenPrefix, PrefixInputs, open_prefix, pointer_for
 from core.estimator import ModelProfile, TokenEstimator
@@ -81,11 +82,19 @@ ESTIMATOR_PROFILE = tp.ESTIMATOR.profile.model_dump(mode="json")
 
 
 def openai_session(server: FakeServer, cls: type[OpenAIProvider] = OpenAIProvider) -> tp.Session:
-    return tp.Session(cls(api_key="k", base_url=server.url + "/v1", counter=tp.COUNTER), "openai")
+    return tp.Session(tp.made(cls(api_key="k", base_url=server.url + "/v1", counter=tp.COUNTER)), "openai")
 
 
 def anthropic_session(server: FakeServer) -> tp.Session:
-    return tp.Session(AnthropicProvider(api_key="k", base_url=server.url), "anthropic")
+    return tp.Session(tp.made(AnthropicProvider(api_key="k", base_url=server.url)), "anthropic")
+
+
+@pytest.fixture(autouse=True)
+async def _close_adapters() -> AsyncIterator[None]:
+    """The adapters a test makes (`tp.made`), their SDK clients closed after it."""
+    yield
+    await close_providers(tp.MADE)
+    tp.MADE.clear()
 
 
 class TestStabilityObserver:
