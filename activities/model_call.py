@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import structlog
@@ -114,7 +114,7 @@ class ModelCallActivities(ModelCalls):
             estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
-        reply = await _heartbeating(_within_attempt(provider.complete(request)))
+        reply = await _within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
         if (wire := reply.wire_prefix) is not None:
             await _store_waiting(lambda: self._record_wire_prefix(inp, wire))
         # The outcome: usage (the first attempt's figures win), the estimator's reconciliation and its event.
@@ -289,17 +289,6 @@ async def _store_waiting(op: Callable[[], Awaitable[T]]) -> T:
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAXIMUM_INTERVAL_S)
-
-
-async def _heartbeating(work: Awaitable[T]) -> T:
-    """Await `work`, heartbeating meanwhile, so a dead worker's call is retried within the heartbeat timeout."""
-    task = asyncio.ensure_future(work)
-    interval = (activity.info().heartbeat_timeout or timedelta(seconds=30)).total_seconds() / 3
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=interval)
-        if done:
-            return task.result()
-        activity.heartbeat()
 
 
 async def _within_attempt(work: Awaitable[T]) -> T:
