@@ -1,5 +1,5 @@
 """What the benches measure with: percentiles, PostgreSQL round trips counted at the pool, the time garbage
-collections take, and whether modules have current bytecode."""
+collections take, a process's CPU time, and whether modules have current bytecode."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 from temporalio import activity
 
 
@@ -23,6 +24,22 @@ def percentile(values: Sequence[float], q: float) -> float:
     pos = (len(ordered) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def process_cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds `proc` has run so far. A process of one thread (a PostgreSQL backend) by its scheduler's own
+    count, in nanoseconds (`/proc/PID/schedstat`): the clock-tick counts psutil reads are 10 ms coarse, and a
+    backend's few milliseconds in a short phase could read as none. Otherwise (or without schedstat) psutil's user
+    + system time, which counts every thread of the process, ended ones too. Raises psutil.Error when the process
+    is gone."""
+    if proc.num_threads() == 1:
+        try:
+            with open(f"/proc/{proc.pid}/schedstat") as fh:
+                return int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+    times = proc.cpu_times()
+    return float(times.user + times.system)
 
 
 class DbCounts:

@@ -65,7 +65,7 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
-from harness.bench.measure import CountingPool, DbCounts, GcClock, compiled, percentile
+from harness.bench.measure import CountingPool, DbCounts, GcClock, compiled, percentile, process_cpu_s
 from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
 from worker import WORKFLOW_TASK_POLLS, connect, running_worker, tuned_gc
@@ -287,18 +287,18 @@ _GC_CLOCK = GcClock()
 def _cpu_s() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process (the in-process engine and floor workers and the bench's
     client), of which in garbage collections (`worker_gc`, wall time), and of the Temporal server's and
-    PostgreSQL's processes it started (the embedded services)."""
+    PostgreSQL's processes it started (the embedded services; `process_cpu_s`)."""
     me = psutil.Process()
     mine = me.cpu_times()
     out = {"worker": mine.user + mine.system, "worker_gc": _GC_CLOCK.seconds, **dict.fromkeys(CPU_OF, 0.0)}
     for proc in me.children(recursive=True):
         try:
-            name, times = proc.name(), proc.cpu_times()
+            name, seconds = proc.name(), process_cpu_s(proc)
         except psutil.Error:  # gone since it was listed (a PostgreSQL backend that ended)
             continue
         for key in CPU_OF:
             if name.startswith(key):
-                out[key] += times.user + times.system
+                out[key] += seconds
     return out
 
 

@@ -1,14 +1,29 @@
-"""What the benches measure with (`harness.bench.measure`): the garbage collector's time while counted, and
-whether a module's bytecode is current."""
+"""What the benches measure with (`harness.bench.measure`): the garbage collector's time while counted, a
+process's CPU time, and whether a module's bytecode is current."""
 
 from __future__ import annotations
 
 import gc
 import os
 import py_compile
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
-from harness.bench.measure import GcClock, compiled
+import psutil
+import pytest
+
+from harness.bench.measure import GcClock, compiled, process_cpu_s
+
+# Spins for 25 ms of its own CPU time, says so, then waits for stdin to close.
+SPIN = (
+    "import sys, time\n"
+    "t = time.process_time()\n"
+    "while time.process_time() - t < 0.025: pass\n"
+    "print(flush=True)\n"
+    "sys.stdin.read()"
+)
 
 
 def test_the_clock_counts_collections_only_while_counted() -> None:
@@ -34,3 +49,36 @@ def test_bytecode_is_current_only_for_the_source_it_was_compiled_from(tmp_path: 
         os.utime(source, (moved, moved))
         assert not compiled([str(source)])
     assert not compiled([])
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no scheduler statistics on this kernel")
+def test_a_one_thread_process_is_counted_finer_than_clock_ticks() -> None:
+    """A one-thread process that ran 25 ms: counted by the scheduler, not in 10 ms clock ticks (which a PostgreSQL
+    backend's few milliseconds in a short phase could miss altogether)."""
+    child = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline()  # it has spun
+        proc = psutil.Process(child.pid)
+        assert proc.num_threads() == 1
+        seconds = process_cpu_s(proc)
+        assert 0.025 <= seconds < 1.0
+        assert round(seconds * 1e9) % 10_000_000 != 0  # not a whole number of ticks
+    finally:
+        child.communicate(b"")
+
+
+def test_a_process_of_several_threads_is_counted_by_its_user_and_system_time() -> None:
+    """This process with a second thread: psutil's user + system time, which counts every thread."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        me = psutil.Process()
+        assert me.num_threads() > 1
+        before = me.cpu_times()
+        seconds = process_cpu_s(me)
+        after = me.cpu_times()
+        assert before.user + before.system <= seconds <= after.user + after.system
+    finally:
+        stop.set()
+        other.join()
