@@ -886,6 +886,7 @@ def pointer_for(result: ToolResult, raw_tokens: int) -> ElidedSpan:
     return ElidedSpan(
         id=f"{result.id}{POINTER_SUFFIX}",
         trust=result.trust,
+        tainted=result.tainted,  # a result derived from untrusted content says so as a pointer too
         seq=result.seq,
         original_id=result.id,
         original_tokens=raw_tokens,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from core.budget import ContextBudget
 from core.build import BodyInputs, RenderCache, build, pointer_for, pointer_segment_of, segment_of
 from core.errors import NonYieldableOverflowError
-from core.item_rendering import render_item
+from core.item_rendering import UNTRUSTED_PROVENANCE, render_item
 from core.items import CorrectionLine, CurrentUserMessage, RecallItem, ToolResult, TrustLevel, WorkingStateBlock
 from core.plan import PlanStatus, YieldStep
 from tests.unit import factories as f
@@ -64,6 +64,28 @@ class TestYieldOrder:
         assert pointers and pointers[0].item_id == "r0#pointer"
         assert pointers[0].trust is TrustLevel.EXTERNAL_UNTRUSTED
         assert "artifact:r0" in pointers[0].text
+
+    def test_a_tainted_result_keeps_its_taint_as_a_pointer(self) -> None:
+        """A tool result derived from untrusted content (a note the model saved after reading a page) that becomes
+        a pointer under pressure says so: the untrusted provenance in its envelope and in its text, as the whole
+        result showed it. Without the taint the pointer would name trusted tool content."""
+        base = _body(10)
+        body = base.model_copy(
+            update={
+                "history": [
+                    h.model_copy(update={"trust": TrustLevel.TOOL, "tainted": True}) if h.id == "r0" else h
+                    for h in base.history
+                ]
+            }
+        )
+        full = _plan(body, 100_000)
+        plan = _plan(body, full.estimated_tokens + 500 - full.tokens_by_class["recall"] - 200)
+        pointer = next(s for s in plan.segments if s.item_id == "r0#pointer")
+        assert pointer.trust is TrustLevel.TOOL
+        assert f'id="r0#pointer" provenance="{UNTRUSTED_PROVENANCE}">>' in pointer.text
+        assert "derived from untrusted content" in pointer.text
+        untainted = next(s for s in plan.segments if s.kind == "elided_span" and s.item_id != "r0#pointer")
+        assert "provenance=" not in untainted.text
 
     def test_compaction_is_last_and_reports_deficit(self) -> None:
         """When the cheap yields are exhausted the plan says needs_compaction with the deficit in tokens."""
