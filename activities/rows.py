@@ -144,6 +144,17 @@ class StoredArtifact:
 
 
 @dataclass(frozen=True, slots=True)
+class Resolved:
+    """What a pointer's reference stands for (`Store.resolve`): the original text, its trust level, and whether it
+    was written while untrusted content was in view (`tainted`: a note the model saved after reading a page is
+    `TOOL` content derived from untrusted content)."""
+
+    content: str
+    trust: str
+    tainted: bool
+
+
+@dataclass(frozen=True, slots=True)
 class StoredPrefix:
     """An epoch's frozen prefix (`FrozenPrefix` JSON), its route's profile (`ModelProfile` JSON) and the Region A
     inputs it was measured from (`PrefixInputs` JSON)."""

@@ -28,6 +28,7 @@ from activities.rows import (
     MemoryCandidate,
     MemoryRow,
     RequestRecord,
+    Resolved,
     SessionClaim,
     StoredArtifact,
     StoredEvent,
@@ -210,6 +211,11 @@ ON CONFLICT (session_id, sha256) DO NOTHING"""
 SQL_GET_ARTIFACT = "SELECT trust, media_type, content FROM artifacts WHERE session_id = $1 AND sha256 = $2"
 SQL_ARTIFACT_OWNED_ELSEWHERE = "SELECT 1 FROM artifacts WHERE sha256 = $1 AND session_id <> $2 LIMIT 1"
 SQL_ITEM_PAYLOAD = "SELECT payload FROM items WHERE session_id = $1 AND item_id = $2"
+# Whether a tool result that refers to an artifact was tainted (an artifact is stored once per content and session,
+# so any of them: the content came from untrusted context at least once).
+SQL_ARTIFACT_TAINTED = """
+SELECT coalesce(bool_or((payload->>'tainted')::boolean), false) FROM items
+WHERE session_id = $1 AND kind = 'tool_result' AND payload->>'artifact_ref' = $2"""
 SQL_PUT_COMPACTION_PLAN = """
 INSERT INTO compaction_plans (session_id, checkpoint_id, plan) VALUES ($1, $2, $3)
 ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
@@ -738,8 +744,8 @@ class Store:
         row = await self.pool.fetchrow(SQL_GET_ARTIFACT, session_id, sha)
         return _row(StoredArtifact, row) if row is not None else None
 
-    async def resolve(self, session_id: str, reference: str) -> tuple[str, str]:
-        """The original content and trust level behind a pointer's reference, inside its own session only.
+    async def resolve(self, session_id: str, reference: str) -> Resolved:
+        """The original content, trust level and taint behind a pointer's reference, inside its own session only.
 
         Raises ForeignReferenceError for a reference owned by another session (whoever asks) and
         LookupError for one that does not exist.
@@ -751,20 +757,23 @@ class Store:
                 if await self.pool.fetchval(SQL_ARTIFACT_OWNED_ELSEWHERE, key, session_id):
                     raise ForeignReferenceError(session_id, reference)
                 raise LookupError(f"no artifact {key!r} in session {session_id!r}")
-            return row.content, row.trust
+            tainted = await self.pool.fetchval(SQL_ARTIFACT_TAINTED, session_id, reference)
+            return Resolved(row.content, row.trust, bool(tainted))
         if kind == "item":
             payload = await self.pool.fetchval(SQL_ITEM_PAYLOAD, session_id, key)
             if payload is None:
                 raise LookupError(f"no item {key!r} in session {session_id!r}")
             text = payload.get("content", payload.get("text", ""))
-            return str(text), str(payload["trust"])
+            return Resolved(str(text), str(payload["trust"]), bool(payload.get("tainted", False)))
         if kind == "span":
             first, _, last = key.partition("-")
             rows = await self.pool.fetch(SQL_ITEMS_IN_RANGE, session_id, int(first), int(last))
             if not rows:
                 raise LookupError(f"no items {key!r} in session {session_id!r}")
             items = [parse_history_item(r["payload"]) for r in rows]
-            return "\n".join(i.body_text() for i in items), run_trust(items).value
+            return Resolved(
+                "\n".join(i.body_text() for i in items), run_trust(items).value, any(i.tainted for i in items)
+            )
         raise LookupError(f"unknown reference form {reference!r} (expected artifact:SHA, item:ID or span:SEQ-SEQ)")
 
     # ------------------------------------------------------------ compaction

@@ -360,8 +360,12 @@ async def gate_compaction(s: Stack) -> dict[str, Any]:
     pointers = [p for cp in await s.store.checkpoints(handle.id) for p in cp["pointers"]]
     resolved = 0
     for p in {p["reference"]: p for p in pointers}.values():
-        content, trust = await s.store.resolve(handle.id, p["reference"])
-        resolved += int(trust == p["trust"] and (trust != "EXTERNAL_UNTRUSTED" or MARKER_PREFIX in content))
+        r = await s.store.resolve(handle.id, p["reference"])
+        resolved += int(
+            r.trust == p["trust"]
+            and r.tainted == p.get("tainted", False)
+            and (r.trust != "EXTERNAL_UNTRUSTED" or MARKER_PREFIX in r.content)
+        )
     unique = len({p["reference"] for p in pointers})
     records = await s.store.records(handle.id)
     replies = [i for i in await s.store.load_items(handle.id) if i.payload["kind"] == "assistant_message"]

@@ -63,9 +63,10 @@ async def test_laundering_constraints_and_prefix(temporal_client: Client, pg_dsn
         pointers = [p for cp in checkpoints for p in cp["pointers"]]
         assert pointers
         for p in pointers:
-            content, trust = await store.resolve(handle.id, p["reference"])
-            assert trust == p["trust"] == "EXTERNAL_UNTRUSTED"
-            assert "MARKER-" in content
+            resolved = await store.resolve(handle.id, p["reference"])
+            assert resolved.trust == p["trust"] == "EXTERNAL_UNTRUSTED"
+            assert resolved.tainted == p["tainted"]
+            assert "MARKER-" in resolved.content
 
         # Constraints survive byte for byte; the prefix hash never moved.
         for c in CONSTRAINTS:
@@ -91,10 +92,44 @@ async def test_foreign_reference_is_refused(temporal_client: Client, pg_dsn: str
         ref = next(
             r.payload["artifact_ref"] for r in await store.load_items(a.id) if r.payload["kind"] == "tool_result"
         )
-        content, trust = await store.resolve(a.id, ref)
-        assert marker("secret") in content and trust == "EXTERNAL_UNTRUSTED"
+        resolved = await store.resolve(a.id, ref)
+        assert marker("secret") in resolved.content and resolved.trust == "EXTERNAL_UNTRUSTED"
         with pytest.raises(ForeignReferenceError):
             await store.resolve(b.id, ref)
+
+
+async def test_a_pointer_resolves_with_its_taint(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A pointer's original keeps its taint when resolved: a note the model saved after reading a page (`TOOL`,
+    derived from untrusted content) resolves as tainted by its item, a note saved before the page does not, and an
+    artifact a tainted result refers to resolves as tainted. Trust alone would name the later note trusted tool
+    content."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, '/call notes.save {"text": "before any page"}')
+        await turn(handle, '/call web.fetch {"url": "fixture://marker/taint"}')
+        await turn(handle, '/call notes.save {"text": "after the page"}')
+        notes = [
+            r.payload
+            for r in await store.load_items(handle.id)
+            if r.payload["kind"] == "tool_result" and r.payload["tool_name"] == "notes.save"
+        ]
+        clean, derived = notes
+        assert derived["trust"] == clean["trust"] == "TOOL"
+        assert derived["tainted"] and not clean["tainted"]
+        by_item = await store.resolve(handle.id, f"item:{derived['id']}")
+        assert by_item.tainted and by_item.trust == "TOOL" and "after the page" in by_item.content
+        assert not (await store.resolve(handle.id, f"item:{clean['id']}")).tainted
+
+        # An artifact (a result too large to show whole) is stored once per content: tainted if a tainted result
+        # refers to it.
+        other = await start(temporal_client, task_queue)
+        await turn(other, "hello")
+        ref = "artifact:" + await store.put_artifact(other.id, "a long note " * 50, trust="TOOL")
+        assert not (await store.resolve(other.id, ref)).tainted
+        result = {**derived, "id": "late.result", "call_id": "late", "artifact_ref": ref}
+        await store.append_items(other.id, 2, [result])
+        resolved = await store.resolve(other.id, ref)
+        assert resolved.tainted and resolved.trust == "TOOL" and resolved.content == "a long note " * 50
 
 
 async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
