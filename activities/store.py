@@ -43,7 +43,7 @@ from activities.rows import (
     joined_counts,
 )
 from core.compaction import run_trust
-from core.items import parse_history_item
+from core.items import TrustLevel, parse_history_item
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -211,11 +211,13 @@ ON CONFLICT (session_id, sha256) DO NOTHING"""
 SQL_GET_ARTIFACT = "SELECT trust, media_type, content FROM artifacts WHERE session_id = $1 AND sha256 = $2"
 SQL_ARTIFACT_OWNED_ELSEWHERE = "SELECT 1 FROM artifacts WHERE sha256 = $1 AND session_id <> $2 LIMIT 1"
 SQL_ITEM_PAYLOAD = "SELECT payload FROM items WHERE session_id = $1 AND item_id = $2"
-# Whether a tool result that refers to an artifact was tainted (an artifact is stored once per content and session,
-# so any of them: the content came from untrusted context at least once).
-SQL_ARTIFACT_TAINTED = """
-SELECT coalesce(bool_or((payload->>'tainted')::boolean), false) FROM items
-WHERE session_id = $1 AND kind = 'tool_result' AND payload->>'artifact_ref' = $2"""
+# What the tool results that refer to an artifact say of it. An artifact is stored once per content and session,
+# with the trust of the first result that stored it: the content is untrusted if any of them was, and tainted if
+# any of them was (`run_trust`'s rule for a run of items).
+SQL_ARTIFACT_REFERRERS = """
+SELECT coalesce(bool_or(trust = 'EXTERNAL_UNTRUSTED'), false) AS untrusted,
+       coalesce(bool_or((payload->>'tainted')::boolean), false) AS tainted
+FROM items WHERE session_id = $1 AND kind = 'tool_result' AND payload->>'artifact_ref' = $2"""
 SQL_PUT_COMPACTION_PLAN = """
 INSERT INTO compaction_plans (session_id, checkpoint_id, plan) VALUES ($1, $2, $3)
 ON CONFLICT (session_id, checkpoint_id) DO NOTHING"""
@@ -757,8 +759,9 @@ class Store:
                 if await self.pool.fetchval(SQL_ARTIFACT_OWNED_ELSEWHERE, key, session_id):
                     raise ForeignReferenceError(session_id, reference)
                 raise LookupError(f"no artifact {key!r} in session {session_id!r}")
-            tainted = await self.pool.fetchval(SQL_ARTIFACT_TAINTED, session_id, reference)
-            return Resolved(row.content, row.trust, bool(tainted))
+            referrers = await self.pool.fetchrow(SQL_ARTIFACT_REFERRERS, session_id, reference)
+            trust = TrustLevel.EXTERNAL_UNTRUSTED.value if referrers["untrusted"] else row.trust
+            return Resolved(row.content, trust, referrers["tainted"])
         if kind == "item":
             payload = await self.pool.fetchval(SQL_ITEM_PAYLOAD, session_id, key)
             if payload is None:

@@ -120,8 +120,8 @@ async def test_a_pointer_resolves_with_its_taint(temporal_client: Client, pg_dsn
         assert by_item.tainted and by_item.trust == "TOOL" and "after the page" in by_item.content
         assert not (await store.resolve(handle.id, f"item:{clean['id']}")).tainted
 
-        # An artifact (a result too large to show whole) is stored once per content: tainted if a tainted result
-        # refers to it.
+        # An artifact (a result too large to show whole) is stored once per content, with the first result's trust:
+        # tainted if a tainted result refers to it, untrusted if an untrusted one does.
         other = await start(temporal_client, task_queue)
         await turn(other, "hello")
         ref = "artifact:" + await store.put_artifact(other.id, "a long note " * 50, trust="TOOL")
@@ -130,6 +130,10 @@ async def test_a_pointer_resolves_with_its_taint(temporal_client: Client, pg_dsn
         await store.append_items(other.id, 2, [result])
         resolved = await store.resolve(other.id, ref)
         assert resolved.tainted and resolved.trust == "TOOL" and resolved.content == "a long note " * 50
+        assert await store.put_artifact(other.id, "a long note " * 50, trust="EXTERNAL_UNTRUSTED") == ref.split(":")[1]
+        page = {**result, "id": "page.result", "call_id": "page", "trust": "EXTERNAL_UNTRUSTED", "tainted": False}
+        await store.append_items(other.id, 3, [page])
+        assert (await store.resolve(other.id, ref)).trust == "EXTERNAL_UNTRUSTED"
 
 
 async def test_full_context_still_compacts(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
