@@ -289,8 +289,7 @@ def _cpu_s() -> dict[str, float]:
     client), of which in garbage collections (`worker_gc`, wall time), and of the Temporal server's and
     PostgreSQL's processes it started (the embedded services; `process_cpu_s`)."""
     me = psutil.Process()
-    mine = me.cpu_times()
-    out = {"worker": mine.user + mine.system, "worker_gc": _GC_CLOCK.seconds, **dict.fromkeys(CPU_OF, 0.0)}
+    out = {"worker": process_cpu_s(me), "worker_gc": _GC_CLOCK.seconds, **dict.fromkeys(CPU_OF, 0.0)}
     for proc in me.children(recursive=True):
         try:
             name, seconds = proc.name(), process_cpu_s(proc)
