@@ -27,7 +27,7 @@ from contract.activity_interfaces import ModelCalls
 from contract.events import EventType
 from contract.payloads import ModelInput, ModelResult, ToolCallRequest
 from contract.retries import INITIAL_INTERVAL_S, MAXIMUM_INTERVAL_S, STORE_OUTAGE_WAIT_S
-from core.estimator import reconcile
+from core.estimator import calibration_target, reconcile
 from core.explain import first_wire_difference
 from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
 from core.plan import SEGMENT
@@ -193,7 +193,7 @@ class ModelCallActivities(ModelCalls):
                 cached=usage.cached_tokens,
                 output=usage.output_tokens,
                 route=profile.route,
-                observed=rec.observed_ratio,
+                target=calibration_target(rec.observed_ratio),
                 first=learned.calibration,
                 event_key=event_key,
                 event_type=EventType.ESTIMATOR_RECONCILED.value,

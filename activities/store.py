@@ -43,6 +43,7 @@ from activities.rows import (
     joined_counts,
 )
 from core.compaction import run_trust
+from core.estimator import CALIBRATION_GRID, TokenEstimator
 from core.items import TrustLevel, parse_history_item
 
 if TYPE_CHECKING:
@@ -448,21 +449,45 @@ SQL_CALL_READS = _with_blocks(
 LEFT JOIN prefixes p ON p.session_id = s.session_id AND p.epoch = $5
 WHERE s.session_id = $1""",
 )
+
+
+def next_calibration_sql(stored: str, target: str) -> str:
+    """`core.estimator.next_calibration` in SQL, on the stored calibration: the same float8 operations in the same
+    order, so the two agree to the bit (tests/integration/test_calibrations.py checks)."""
+    relax, grid = f"{TokenEstimator.RELAX!r}::float8", f"{CALIBRATION_GRID}::float8"
+    return (
+        f"CASE WHEN {target} > {stored} THEN {target} "
+        f"ELSE greatest({target}, floor(({stored} + {relax} * ({target} - {stored})) * {grid} + 0.5::float8) / {grid}) "
+        "END"
+    )
+
+
+_NEXT_CALIBRATION = next_calibration_sql("calibrations.calibration", "$8::float8")
 # A model call's outcome in one round trip: its usage (the first attempt's figures win), the estimator's
-# reconciliation (a higher observed ratio adopted at once, a lower one relaxed towards, in one statement, so
-# concurrent sessions on a route never lose an upward move), its event (stored once, by key) and the reply's
-# items, one group ($14: append entries, $15: the group's id prefix, $16: the request's last log position).
+# reconciliation, its event (stored once, by key) and the reply's items, one group ($14: append entries, $15: the
+# group's id prefix, $16: the request's last log position). The reconciliation ($8: the observed ratio on the
+# calibration grid) is applied to the stored calibration in the statement, so concurrent sessions on a route never
+# lose an upward move. The route's row is updated only when the rule moves it: a response whose ratio the stored
+# calibration already covers neither writes nor locks the row every session on the route shares (a row lock would
+# queue their commits one behind another). A route not stored yet is created with $9.
 SQL_RECORD_OUTCOME = (
     """
 WITH usage AS (
     UPDATE request_records SET actual_input_tokens = $4, cached_tokens = $5, output_tokens = $6
     WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL RETURNING 1
+), moved AS (
+    UPDATE calibrations SET calibration = """
+    + _NEXT_CALIBRATION
+    + """, updated_at = now()
+    WHERE route = $7 AND """
+    + _NEXT_CALIBRATION
+    + """ <> calibrations.calibration
 ), learned AS (
-    INSERT INTO calibrations (route, calibration) VALUES ($7, $9::float8)
-    ON CONFLICT (route) DO UPDATE SET calibration = CASE
-        WHEN $8::float8 > calibrations.calibration THEN $8::float8
-        ELSE calibrations.calibration + 0.1 * ($8::float8 - calibrations.calibration) END,
-        updated_at = now()
+    INSERT INTO calibrations (route, calibration) SELECT $7::text, $9::float8
+    WHERE NOT EXISTS (SELECT 1 FROM calibrations WHERE route = $7)
+    ON CONFLICT (route) DO UPDATE SET calibration = """
+    + _NEXT_CALIBRATION
+    + """, updated_at = now()
 ), event AS (
     INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $10, $11, $2, $12, $13)
     ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1
@@ -950,7 +975,7 @@ class Store:
         cached: int,
         output: int,
         route: str,
-        observed: float,
+        target: float,
         first: float,
         event_key: str,
         event_type: str,
@@ -963,7 +988,9 @@ class Store:
     ) -> tuple[bool, bool, list[int]]:
         """Usage, calibration, the reconciliation event and the reply's items (`append`, one group, as
         `append_items` logs them) in one round trip: (usage recorded now, event added now, the items' seqs).
-        Usage already recorded by an earlier attempt stays (the first attempt's figures win)."""
+        Usage already recorded by an earlier attempt stays (the first attempt's figures win). `target`: the observed
+        ratio on the calibration grid (`core.estimator.calibration_target`), applied to the route's stored
+        calibration by `next_calibration`'s rule; `first`: the route's calibration if it has none stored yet."""
         row = await self._positioned(
             SQL_RECORD_OUTCOME,
             session_id,
@@ -973,7 +1000,7 @@ class Store:
             cached,
             output,
             route,
-            observed,
+            target,
             first,
             event_key,
             event_type,

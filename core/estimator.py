@@ -94,6 +94,30 @@ class TokenEstimator:
         return math.ceil((raw_tokens + messages * self.profile.per_message_tokens) * self.body_unit())
 
 
+# A calibration moves on a grid of 1/10,000. Upwards it takes the observed ratio rounded up to the grid, so an
+# estimate stays at or above the usage it learned from. Downwards it relaxes a tenth of the way, to the nearest
+# point of the grid: at most 5 points above the observed ratio a step rounds back to where it was, so a route whose
+# ratio holds steady stops moving, and the route's row is not written (or locked) by every response of every
+# session on it. 1/10,000 of an estimate is 20 tokens of a 200,000-token window, against the 5% margin.
+CALIBRATION_GRID = 10_000
+
+
+def calibration_target(observed: float) -> float:
+    """The observed ratio rounded up to the calibration grid: the least calibration that covers it."""
+    return math.ceil(observed * CALIBRATION_GRID - 1e-6) / CALIBRATION_GRID
+
+
+def next_calibration(before: float, target: float) -> float:
+    """The calibration after a response whose observed ratio is `target` (on the grid, `calibration_target`):
+    `target` at once if it is higher; otherwise a tenth of the way down to it, to the nearest grid point, never
+    below it. The store applies the same rule to the stored value (`activities/store.py`, `next_calibration_sql`),
+    with the same floating-point operations in the same order."""
+    if target > before:
+        return target
+    relaxed = before + TokenEstimator.RELAX * (target - before)
+    return max(target, math.floor(relaxed * CALIBRATION_GRID + 0.5) / CALIBRATION_GRID)
+
+
 def reconcile(
     profile: ModelProfile, *, raw_tokens: int, estimated_tokens: int, actual_tokens: int
 ) -> tuple[ModelProfile, Reconciliation]:
@@ -101,18 +125,17 @@ def reconcile(
 
     `raw_tokens` is the counter's count of the whole request with overheads, before calibration. A higher
     observed ratio is adopted at once (estimates must stay at or above actual usage); a lower one is
-    approached slowly, so one short reply cannot swing the estimator into underestimating.
+    approached slowly, so one short reply cannot swing the estimator into underestimating (`next_calibration`).
     """
-    observed = actual_tokens / raw_tokens if raw_tokens > 0 else profile.calibration
+    observed = round(actual_tokens / raw_tokens, 6) if raw_tokens > 0 else profile.calibration
     before = profile.calibration
-    after = observed if observed > before else before + TokenEstimator.RELAX * (observed - before)
-    after = round(after, 6)
+    after = next_calibration(before, calibration_target(observed))
     record = Reconciliation(
         estimated_tokens=estimated_tokens,
         actual_tokens=actual_tokens,
         error_tokens=estimated_tokens - actual_tokens,
         overrun=estimated_tokens < actual_tokens,
-        observed_ratio=round(observed, 6),
+        observed_ratio=observed,
         calibration_before=before,
         calibration_after=after,
     )

@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 from core.budget import ContextBudget
 from core.build import build
-from core.estimator import DEFAULT_PROFILES, ModelProfile, TokenEstimator, reconcile
+from core.estimator import (
+    CALIBRATION_GRID,
+    DEFAULT_PROFILES,
+    ModelProfile,
+    TokenEstimator,
+    calibration_target,
+    next_calibration,
+    reconcile,
+)
 from tests.unit import factories as f
 
 
@@ -70,3 +78,56 @@ class TestReconcile:
             profile, rec = reconcile(profile, raw_tokens=raw, estimated_tokens=estimate, actual_tokens=actual)
             assert not rec.overrun
         assert first.observed_ratio >= 1.0
+
+
+def _on_grid(value: float) -> bool:
+    return value == round(value * CALIBRATION_GRID) / CALIBRATION_GRID
+
+
+class TestCalibrationGrid:
+    def test_an_upward_move_rounds_up(self) -> None:
+        """The observed ratio is covered: rounded up to the grid, never down."""
+        assert calibration_target(1.30004) == 1.3001
+        assert calibration_target(1.3) == 1.3
+        assert next_calibration(1.0, calibration_target(1.30004)) == 1.3001
+
+    @given(st.floats(min_value=0.3, max_value=3.0), st.floats(min_value=0.3, max_value=3.0))
+    @settings(max_examples=300, deadline=None)
+    def test_the_next_calibration_covers_the_ratio_and_is_on_the_grid(self, before: float, observed: float) -> None:
+        """For any stored value and any observed ratio (as `reconcile` gives it, to 6 decimals)."""
+        observed = round(observed, 6)
+        after = next_calibration(before, calibration_target(observed))
+        assert after >= observed
+        assert _on_grid(after)
+        if observed > before:
+            assert after == calibration_target(observed)  # at once
+        else:
+            assert after <= max(before, calibration_target(observed))  # never up on a lower ratio
+
+    @given(st.floats(min_value=0.5, max_value=2.0), st.floats(min_value=0.5, max_value=2.0))
+    @settings(max_examples=200, deadline=None)
+    def test_a_steady_ratio_settles_within_five_points_above_it(self, start: float, observed: float) -> None:
+        """Applied again and again with one ratio, the calibration stops moving within 200 responses, at or above
+        the ratio and at most 5 points of the grid above its target."""
+        observed = round(observed, 6)
+        target = calibration_target(observed)
+        value = start
+        for _ in range(200):
+            after = next_calibration(value, target)
+            if after == value:
+                break
+            value = after
+        else:
+            raise AssertionError(f"still moving after 200 responses: {value}")
+        assert target <= value <= target + 5 / CALIBRATION_GRID + 1e-12
+
+    @given(st.floats(min_value=0.5, max_value=2.0), st.lists(st.floats(0.0, 3e-4), min_size=5, max_size=60))
+    @settings(max_examples=150, deadline=None)
+    def test_a_ratio_that_wavers_within_three_points_moves_only_upwards(self, base: float, noise: list[float]) -> None:
+        """Ratios within 3 points of the grid of each other: each move is up to a new highest target, so the row is
+        written at most as often as a new highest ratio arrives (no see-saw between two points)."""
+        value = calibration_target(base + max(noise))
+        for n in noise:
+            after = next_calibration(value, calibration_target(base + n))
+            assert after >= value
+            value = after
