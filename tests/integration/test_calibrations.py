@@ -68,7 +68,7 @@ async def _outcome(store: Store, session_id: str, turn: int, target: float) -> N
     )
 
 
-async def test_a_covered_ratio_neither_waits_for_nor_writes_the_routes_row(pg_dsn: str) -> None:
+async def test_a_covered_ratio_does_not_wait_for_the_routes_row_and_an_upward_move_is_not_lost(pg_dsn: str) -> None:
     """Another transaction holds the route's row (an uncommitted write, as a concurrent session's outcome would).
     A response whose ratio the stored calibration covers completes without waiting for it; an upward move waits,
     then applies to what that transaction committed (it is not lost)."""
