@@ -29,7 +29,17 @@ from temporalio.runtime import (
     TelemetryConfig,
     TelemetryFilter,
 )
-from temporalio.worker import Interceptor, PollerBehaviorAutoscaling, Worker
+from temporalio.worker import (
+    Interceptor,
+    PollerBehaviorAutoscaling,
+    Worker,
+    WorkflowInstance,
+    WorkflowInstanceDetails,
+    WorkflowRunner,
+)
+from temporalio.worker._command_aware_visitor import CommandInfo
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+from temporalio.worker.workflow_sandbox._runner import _Instance as SandboxedInstance
 
 from activities.compaction import CompactionActivities
 from activities.failures import FailureInterceptor
@@ -72,6 +82,40 @@ STARTUP_WAIT_S = 120.0
 # every 20,000 net allocations instead of CPython's 700, the middle one every 20 of those (CPython: 10) and the
 # oldest, at most, every 20 of the middle one's (CPython: 10; and only once its long-lived objects grew by 25%).
 GC_THRESHOLDS = (20_000, 20, 20)
+
+
+class SandboxedRunner(SandboxedWorkflowRunner):
+    """The SDK's sandboxed workflow runner, except that the payload codec's context lookups do not enter the sandbox
+    (docs/operations.md, "A worker process's run time").
+
+    temporalio 1.35 looks up the serialization context of each payload sequence a workflow task decodes or encodes
+    (three passes each way: references, external storage, codec) even when there is no codec and no external
+    storage. Each lookup runs a line of code in the workflow's sandbox: compiled anew, with the sandbox's import
+    overrides applied around it. A plain turn makes 29 of them; they cost the worker 2.2 ms of CPU a turn, a
+    direct call 0.2. A lookup reads the workflow's pending commands and runs no workflow code, so these
+    instances call the sandboxed instance's own lookup directly. Workflow code still runs only in the sandbox,
+    under its restrictions."""
+
+    def create_instance(self, det: WorkflowInstanceDetails) -> WorkflowInstance:
+        return DirectLookups(det, self.runner_class, self.restrictions)
+
+
+class DirectLookups(SandboxedInstance):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # The instance inside the sandbox (the SDK's name for it); None if an SDK release renames it, and then
+        # the lookups go through the sandbox as the SDK's do (tests/integration/test_workflow_runner.py says so).
+        self.in_sandbox: Any = self.globals_and_locals.get("__temporal_in_sandbox")
+
+    def get_serialization_context(self, command_info: CommandInfo | None) -> Any:
+        if self.in_sandbox is None:
+            return super().get_serialization_context(command_info)
+        return self.in_sandbox.get_serialization_context(command_info)
+
+    def get_external_store_context(self, command_info: CommandInfo | None) -> Any:
+        if self.in_sandbox is None:
+            return super().get_external_store_context(command_info)
+        return self.in_sandbox.get_external_store_context(command_info)
 
 
 class _CurrentStderr:
@@ -171,6 +215,7 @@ async def running_worker(
     embedded_services: bool = False,
     eager_activities: bool = True,
     graceful_shutdown: timedelta = timedelta(0),
+    workflow_runner: WorkflowRunner | None = None,
 ) -> AsyncIterator[Worker]:
     """A started worker with every workflow and activity registered; stopped on exit, and the SDK clients of the
     providers it built closed.
@@ -180,6 +225,7 @@ async def running_worker(
     runs on the embedded dev server and PostgreSQL, where a session that names no `model_route` gets the
     scripted model; any other worker refuses such a session at open (ModelRouteRequired). `graceful_shutdown`:
     how long running activities may take to finish when the worker stops (`main` passes `GRACEFUL_SHUTDOWN`).
+    `workflow_runner`: `SandboxedRunner()` unless given (the tests compare it with the SDK's own).
     """
     built = build_providers()  # closed when the worker stops (the harness's own `providers` are its caller's)
     try:
@@ -201,6 +247,7 @@ async def running_worker(
             workflow_task_poller_behavior=WORKFLOW_TASK_POLLS,
             disable_eager_activity_execution=not eager_activities,
             graceful_shutdown_timeout=graceful_shutdown,
+            workflow_runner=workflow_runner or SandboxedRunner(),
         )
         async with worker:
             yield worker
