@@ -3,9 +3,10 @@
 One run, one Temporal server, one PostgreSQL, one process. Two workers poll two task queues of the same server:
 the engine (`worker.running_worker`: the real `SessionWorkflow`, the real activities, the real store, the
 scripted provider) and the floor (`bench.floor_workflow.FloorWorkflow`: an Update running two no-op activities,
-the irreducible build and model call). They have the same cache size and workflow-task polls
-(`worker.WORKFLOW_TASK_POLLS`); the floor keeps the SDK's 10 s sticky schedule-to-start timeout, the engine has
-its own 1 s (`worker.STICKY_SCHEDULE_TO_START`). Measured side by side:
+the irreducible build and model call). They have the same cache size, workflow-task polls
+(`worker.WORKFLOW_TASK_POLLS`) and workflow runner (`worker.SandboxedRunner`); the floor keeps the SDK's 10 s
+sticky schedule-to-start timeout, the engine has its own 1 s (`worker.STICKY_SCHEDULE_TO_START`). Measured side
+by side:
 
 - latency: one engine session and one floor session, `turns` plain turns each (no tool call), interleaved
   turn by turn so both see the same server state; the first turn of each session (the engine's opens the
@@ -68,7 +69,7 @@ from harness.bench.floor_workflow import (
 from harness.bench.measure import CountingPool, DbCounts, GcClock, compiled, percentile, process_cpu_s
 from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
-from worker import WORKFLOW_TASK_POLLS, connect, running_worker, tuned_gc
+from worker import WORKFLOW_TASK_POLLS, SandboxedRunner, connect, running_worker, tuned_gc
 
 # Targets from the turn-path issue (docs/benchmarks.md, "bench turns").
 OVERHEAD_TARGET = 1.25  # engine p50 within 1.25x of the floor's
@@ -570,6 +571,7 @@ async def _measure(
         activities=FLOOR_ACTIVITIES,
         max_cached_workflows=MAX_CACHED_WORKFLOWS,
         workflow_task_poller_behavior=WORKFLOW_TASK_POLLS,  # the engine's worker polls so too
+        workflow_runner=SandboxedRunner(),  # and runs its workflows so too
     )
     db = DbCounts()
     counted = Store(CountingPool(store.pool, db))  # the real pool, its queries counted
