@@ -167,22 +167,31 @@ SQL_LIVE_ITEMS = _with_blocks(
 
 def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     """The CTEs that log items once each, in order, at the next positions of session $1, with their stored
-    render: `entries` a jsonb array of {item, rendered, tokens, segment, pointer}; the items not logged yet (by id) are
-    appended; a group already begun (`group`: its id prefix, looked for after position `after`) adds nothing.
-    Positions race only with another append to the same session at the same instant (the workflow serialises
-    them): the primary key refuses it and the store retries the statement. Read the outcome with `APPENDED`."""
+    render: `entries` a jsonb array of {item, rendered, tokens, segment, pointer}; the items not logged yet (by id,
+    after position `after`: -1, the whole log, unless a group's request names its position) are appended; a group
+    already begun (`group`: its id prefix, looked for after `after`) adds nothing. Positions race only with another
+    append to the same session at the same instant (the workflow serialises them): the primary key refuses it and
+    the store retries the statement. Read the outcome with `APPENDED`.
+
+    A reply's lookups cost what was logged since its request, whatever plan PostgreSQL made: each item's is bounded
+    by `after` as well as keyed by id, and the group's takes the first match in log order (`ORDER BY seq LIMIT 1`,
+    which only `items_pkey` gives without a sort). A connection plans each statement once (`SERVER_SETTINGS`): on a
+    table never analysed, or holding one session's log, the lookups by id alone and the group's `EXISTS` were
+    planned as scans of the session's rows or of the whole table (tests/integration/test_append_plans.py)."""
     return f"""input AS (
     SELECT e.value AS entry, e.ordinality AS ord FROM jsonb_array_elements({entries}) WITH ORDINALITY AS e
 ), existing AS (  -- one index lookup per input item (a join may read the session's whole log)
     SELECT e.item_id, e.seq FROM (
         SELECT input.entry->'item'->>'id' AS item_id,
-               (SELECT x.seq FROM items x WHERE x.session_id = $1 AND x.item_id = input.entry->'item'->>'id') AS seq
+               (SELECT x.seq FROM items x
+                WHERE x.session_id = $1 AND x.seq > {after} AND x.item_id = input.entry->'item'->>'id') AS seq
         FROM input
     ) e WHERE e.seq IS NOT NULL
 ), grouped AS (
-    SELECT {group} IS NOT NULL AND EXISTS (
-        SELECT 1 FROM items WHERE session_id = $1 AND seq > {after} AND starts_with(item_id, {group})
-    ) AS logged
+    SELECT {group} IS NOT NULL AND (
+        SELECT seq FROM items WHERE session_id = $1 AND seq > {after} AND starts_with(item_id, {group})
+        ORDER BY seq LIMIT 1
+    ) IS NOT NULL AS logged
 ), fresh AS (
     SELECT input.entry, (SELECT coalesce(max(seq) + 1, 0) FROM items WHERE session_id = $1)
         + row_number() OVER (ORDER BY input.ord) - 1 AS seq
@@ -719,8 +728,9 @@ class Store:
 
         Returns each item's seq; an item whose id is already logged keeps its first seq and payload. With
         `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
-        (a retried model call must not mix two replies); the group is looked for after `group_after_seq` (a reply
-        is logged after the request it answers was built), so the check costs what was logged since. `renders`,
+        (a retried model call must not mix two replies); the group and its items are looked for after
+        `group_after_seq` (a reply is logged after the request it answers was built), so the checks cost what was
+        logged since. `renders`,
         beside each item: its render (`ItemRender`), stored with it (render once, at write time).
         """
         entries = _entries(items, renders)

@@ -1,0 +1,112 @@
+"""The reply's append costs what was logged since its request, whatever plan PostgreSQL made for it: on a real
+PostgreSQL, the statement planned once on an empty table (as a store connection plans it, `SERVER_SETTINGS`) and
+run against a session of 2,000 items, before and after the table is analysed. PostgreSQL's own count of the rows
+it read and threw away (`EXPLAIN ANALYZE`) is the measure; the plain lookups, put back, read the session's
+whole log."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import asyncpg
+import pytest
+
+from activities.store import SERVER_SETTINGS, SQL_APPEND_ITEMS, Store
+
+pytestmark = pytest.mark.integration
+
+ITEMS = 2_000
+AFTER = ITEMS - 10  # the request's last position: 9 items were logged after it
+# Each of the three lookups (two items, one group) may read what was logged after the request, no more.
+BOUND = 3 * (ITEMS - 1 - AFTER)
+
+# The lookups as they were: by id alone, and the group by EXISTS (test_the_plain_lookups_read_the_whole_log).
+PLAIN = (
+    ("x.session_id = $1 AND x.seq > $5 AND x.item_id", "x.session_id = $1 AND x.item_id"),
+    (
+        """(
+        SELECT seq FROM items WHERE session_id = $1 AND seq > $5 AND starts_with(item_id, $4::text)
+        ORDER BY seq LIMIT 1
+    ) IS NOT NULL""",
+        """EXISTS (
+        SELECT 1 FROM items WHERE session_id = $1 AND seq > $5 AND starts_with(item_id, $4::text)
+    )""",
+    ),
+)
+
+
+def _entry(item_id: str) -> dict[str, Any]:
+    item = {"id": item_id, "kind": "assistant_message", "trust": "MODEL", "text": "a reply"}
+    return {"item": item, "rendered": "a reply", "tokens": {"c": 2}, "segment": None, "pointer": None}
+
+
+def _rows_thrown_away(plan: Any) -> tuple[int, list[str]]:
+    """Rows of `items` PostgreSQL read and removed by filter (per loop times loops), and the scans of `items`."""
+    removed, scans = 0, []
+
+    def walk(node: dict[str, Any]) -> None:
+        nonlocal removed
+        if node.get("Relation Name") == "items":
+            removed += int(node.get("Rows Removed by Filter", 0)) * int(node.get("Actual Loops", 1))
+            scans.append(f"{node['Node Type']} {node.get('Index Name') or ''} {node.get('Index Cond') or ''}")
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])
+    return removed, scans
+
+
+async def _thrown_away(dsn: str, sql: str) -> list[tuple[int, list[str]]]:
+    """The append of a two-item reply after position AFTER, planned on the empty table: the rows it read and threw
+    away, with the table young (never analysed) and then analysed."""
+    async with Store.from_dsn(dsn) as store:
+        await store.migrate()
+    conn = await asyncpg.connect(dsn, server_settings=SERVER_SETTINGS)
+    try:
+        await conn.execute("INSERT INTO sessions (session_id, open, secret) VALUES ('s', '{}'::jsonb, '\\x00'::bytea)")
+        params = (await conn.prepare(sql)).get_parameters()
+        await conn.execute(f"PREPARE reply({', '.join(t.name for t in params)}) AS {sql}")
+        entries = json.dumps([_entry("t999.m0.text"), _entry("t999.m0.call0")])
+
+        async def explain() -> tuple[int, list[str]]:
+            tx = conn.transaction()
+            await tx.start()
+            try:  # run, measured, and rolled back
+                plan = await conn.fetchval(  # EXPLAIN takes no parameters: the values as literals
+                    f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE reply('s', $e${entries}$e$, 999, 't999.m0.', {AFTER})"
+                )
+            finally:
+                await tx.rollback()
+            return _rows_thrown_away(plan)
+
+        await explain()  # the plan: made now, on the empty table, and kept
+        await conn.execute(
+            """INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
+            SELECT 's', g, 'i' || g, 'user_message', 'USER', g / 2,
+                   jsonb_build_object('id', 'i' || g, 'kind', 'user_message', 'trust', 'USER', 'text', 'hi', 'seq', g),
+                   'hi', '{"c": 1}'::jsonb
+            FROM generate_series(0, $1 - 1) AS g""",
+            ITEMS,
+        )
+        young = await explain()
+        await conn.execute("ANALYZE items")  # a new plan: one session's log is the whole table
+        return [young, await explain()]
+    finally:
+        await conn.close()
+
+
+async def test_a_reply_append_reads_what_was_logged_since_its_request(pg_dsn: str) -> None:
+    for removed, scans in await _thrown_away(pg_dsn, SQL_APPEND_ITEMS):
+        assert removed <= BOUND, scans
+        assert not any(scan.startswith("Seq Scan") for scan in scans), scans
+
+
+async def test_the_plain_lookups_read_the_whole_log(pg_dsn: str) -> None:
+    """The measure sees the fault: the lookups as they were read the session's log, young and analysed."""
+    sql = SQL_APPEND_ITEMS
+    for new, old in PLAIN:
+        assert new in sql
+        sql = sql.replace(new, old)
+    young, analysed = await _thrown_away(pg_dsn, sql)
+    assert young[0] >= ITEMS and analysed[0] >= ITEMS
