@@ -730,8 +730,8 @@ class Store:
         `group_prefix`, the items are one group: if any item with that id prefix is logged, none is added
         (a retried model call must not mix two replies); the group and its items are looked for after
         `group_after_seq` (a reply is logged after the request it answers was built), so the checks cost what was
-        logged since. `renders`,
-        beside each item: its render (`ItemRender`), stored with it (render once, at write time).
+        logged since. `renders`, beside each item: its render (`ItemRender`), stored with it (render once, at write
+        time).
         """
         entries = _entries(items, renders)
         row = await self._positioned(SQL_APPEND_ITEMS, session_id, entries, turn, group_prefix, group_after_seq)
