@@ -6,7 +6,6 @@ sequence it is given, the same session run under each runner."""
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,50 +38,55 @@ Seen = tuple[str, str | None, bool | None]  # a context's kind, its activity typ
 
 
 class RecordingCodec(PayloadCodec, WithSerializationContext):
-    """Changes nothing; notes the serialization context it was given for each payload sequence it encodes or
-    decodes (workflow and activity ids left out: they differ between sessions)."""
+    """Changes nothing; notes, for each payload it encodes or decodes (by its bytes), the serialization context it
+    was given (workflow and activity ids left out: they differ between sessions)."""
 
-    def __init__(self, seen: list[Seen], context: SerializationContext | None = None) -> None:
+    def __init__(self, seen: dict[bytes, set[Seen]], context: SerializationContext | None = None) -> None:
         self.seen, self.context = seen, context
 
     def with_context(self, context: SerializationContext) -> RecordingCodec:
         return RecordingCodec(self.seen, context)
 
-    def _note(self) -> None:
+    def _note(self, payloads: Sequence[Payload]) -> list[Payload]:
         ctx = self.context
-        if isinstance(ctx, ActivitySerializationContext):
-            self.seen.append(("activity", ctx.activity_type, ctx.is_local))
-        else:
-            self.seen.append((type(ctx).__name__, None, None))
+        kind: Seen = (
+            ("activity", ctx.activity_type, ctx.is_local)
+            if isinstance(ctx, ActivitySerializationContext)
+            else (type(ctx).__name__, None, None)
+        )
+        for payload in payloads:
+            self.seen.setdefault(payload.data, set()).add(kind)
+        return list(payloads)
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        self._note()
-        return list(payloads)
+        return self._note(payloads)
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        self._note()
-        return list(payloads)
+        return self._note(payloads)
 
 
-class NoActivityContexts(SandboxedRunner):
-    """The fault: lookups that miss the activities' contexts (a codec keyed by activity would then use the
-    workflow's)."""
+class WorkflowContextForActivities(SandboxedRunner):
+    """The fault: lookups that answer the workflow's context for an activity's command (a codec keyed by activity
+    would then encode the activity's input with another key than the activity worker decodes it with)."""
 
     def create_instance(self, det: WorkflowInstanceDetails) -> WorkflowInstance:
         instance = super().create_instance(det)
         lookup = instance.get_serialization_context
 
-        def missing(command_info: CommandInfo | None) -> Any:
+        def wrong(command_info: CommandInfo | None) -> Any:
             found = lookup(command_info)
-            return None if isinstance(found, ActivitySerializationContext) else found
+            return lookup(None) if isinstance(found, ActivitySerializationContext) else found
 
-        instance.get_serialization_context = missing  # type: ignore[method-assign]
+        instance.get_serialization_context = wrong  # type: ignore[method-assign]
         return instance
 
 
-async def _contexts(client: Client, dsn: str, task_queue: str, runner: WorkflowRunner) -> Counter[Seen]:
-    """The contexts a codec saw over a session's opening turn and one plain turn, run under `runner`."""
-    seen: list[Seen] = []
+async def _contexts(client: Client, dsn: str, task_queue: str, runner: WorkflowRunner) -> list[frozenset[Seen]]:
+    """Over a session's opening turn and one plain turn run under `runner`: for each payload that names the
+    session (the activities' inputs), the contexts it was encoded and decoded with, by the workflow, the activity
+    worker and the client. How many workflow tasks a session takes depends on timing; what each payload is coded
+    with does not."""
+    seen: dict[bytes, set[Seen]] = {}
     converter = dataclasses.replace(pydantic_data_converter, payload_codec=RecordingCodec(seen))
     config = client.config()
     config["data_converter"] = converter
@@ -93,19 +97,22 @@ async def _contexts(client: Client, dsn: str, task_queue: str, runner: WorkflowR
             result = await turn(handle, text)
             assert result.text and result.model_calls == 1
         await handle.terminate(reason="test done")
-    return Counter(seen)
+    return sorted((frozenset(kinds) for data, kinds in seen.items() if handle.id.encode() in data), key=sorted)
 
 
 async def test_the_runner_gives_the_sdk_runners_contexts(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     stock = await _contexts(temporal_client, pg_dsn, task_queue + "-sdk", SandboxedWorkflowRunner())
+    # Each activity's input is coded with that activity's context, by the workflow and the activity alike.
+    assert all(len(kinds) == 1 for kinds in stock)
+    assert frozenset({("activity", names.ACTIVITY_BUILD, False)}) in stock
+    assert frozenset({("activity", names.ACTIVITY_MODEL, False)}) in stock
     direct = await _contexts(temporal_client, pg_dsn, task_queue + "-direct", SandboxedRunner())
-    # The turn's activities were encoded and decoded with their own contexts, by the workflow and the activity.
-    assert stock[("activity", names.ACTIVITY_BUILD, False)] > 0 and stock[("activity", names.ACTIVITY_MODEL, False)] > 0
     assert direct == stock
-    # The fault is seen: without the activities' contexts the codec sees other contexts than the SDK's runner.
-    broken = await _contexts(temporal_client, pg_dsn, task_queue + "-broken", NoActivityContexts())
+    # The fault is seen: the workflow encodes the inputs with its own context, the activity decodes them with theirs.
+    broken = await _contexts(temporal_client, pg_dsn, task_queue + "-broken", WorkflowContextForActivities())
     assert broken != stock
-    assert broken[("activity", names.ACTIVITY_BUILD, False)] < stock[("activity", names.ACTIVITY_BUILD, False)]
+    mixed = {("WorkflowSerializationContext", None, None), ("activity", names.ACTIVITY_BUILD, False)}
+    assert frozenset(mixed) in broken
 
 
 CREATED: list[WorkflowInstance] = []
