@@ -479,6 +479,15 @@ async def _activity_hops(client: Client, handle: WorkflowHandle[Any, Any], since
 
 
 @asynccontextmanager
+async def _removed_after(path: Path) -> AsyncIterator[Path]:
+    """`path`, removed on exit (after the contexts entered after it have exited)."""
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@asynccontextmanager
 async def _services(address: str | None, dsn: str | None) -> AsyncIterator[tuple[str, str]]:
     """The given servers, or the embedded ones under a temporary CTXENGINE_HOME (removed after)."""
     from services.embedded import embedded_postgres, temporal_dev_server
@@ -580,6 +589,7 @@ async def _measure(
     home = Path(tempfile.mkdtemp(prefix="ctxengine-bench-workers-"))
     spawn = functools.partial(worker_process, client, temporal_address=address, dsn=cold[0], home=home)
     async with (
+        _removed_after(home),  # the worker processes' logs: an error raised meanwhile quotes their tail
         running_worker(client, counted, task_queue=bench.engine_queue, max_cached_workflows=MAX_CACHED_WORKFLOWS),
         # Worker processes for the affinity comparison: one alone on a queue, two together on another.
         spawn(task_queue=one.engine_queue, name="one"),
