@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -321,6 +322,7 @@ async def gate_chaos(client: Client, temporal_address: str, profile: ChaosProfil
             w.kill()
         worker_process_module.WORKER_SCRIPT = original_script
         await pg.close()
+        shutil.rmtree(home, ignore_errors=True)  # its PostgreSQL and the workers' logs (errors quote their tail)
     turns = sum(answered)
     expected = profile.sessions * profile.turns + (len(answered) - profile.sessions)
     ordered = sorted(latencies) or [0.0]
