@@ -86,6 +86,29 @@ def _session_blocks(columns: Sequence[str]) -> str:
   )"""
 
 
+MAX_SEQ = 2147483647  # the largest `integer`: no log position reaches it
+
+
+def _live_rows(after: str) -> str:
+    """The rows `_live_log` reads (alias `i`): session $1's items after position `after` and before the blocks
+    (`b.first_seq`, none: no bound), then those after the blocks (`b.last_seq`), in log order, as two ranges of
+    `items_pkey`, each bounded on both sides.
+
+    Whatever plan PostgreSQL made: a connection plans each statement once (`SERVER_SETTINGS`), and a condition
+    either range may meet (`OR`) was planned, on a table never analysed, as a scan of the session's rows by
+    `session_id` alone, and, on an analysed table holding one session's log, as a sequential scan of the table.
+    Bounded on both sides by values the plan does not know, each range is estimated as the small part of the
+    session it is; its `ORDER BY` leaves `items_pkey` the one index that needs no sort, where a young table's
+    costs would tie it with `(session_id, item_id)` (tests/integration/test_live_read_plans.py)."""
+    return f"""(
+      (SELECT * FROM items x WHERE x.session_id = $1 AND x.seq > {after} AND x.seq < coalesce(b.first_seq, {MAX_SEQ})
+       ORDER BY x.seq)
+      UNION ALL
+      (SELECT * FROM items x WHERE b.last_seq IS NOT NULL AND x.session_id = $1
+         AND x.seq > greatest({after}, b.last_seq) AND x.seq < {MAX_SEQ} ORDER BY x.seq)
+    ) i"""
+
+
 def _live_log(after: str) -> str:
     """The lateral subquery `log`: of session $1's items after position `after`, the rows of those no sealed block
     holds (`head` of them before the blocks, the rest after), as parallel arrays (each payload as JSON text: arrays
@@ -99,8 +122,8 @@ def _live_log(after: str) -> str:
     it, whatever their sizes, end): should a block be missing from the middle (the trigger seals every one, but
     the tables are derived state an operator may clear) or have no heads (sealed before migration 8, which gives
     them theirs), the items from the gap on are read as rows, never skipped. The rows are read by two ranges of the
-    index, before the blocks and after them: a read touches the rows outside the blocks, not the session's whole
-    log."""
+    index, before the blocks and after them (`_live_rows`): a read touches the rows outside the blocks, not the
+    session's whole log."""
     return f"""LEFT JOIN LATERAL (
   SELECT r.*, b.first_seq AS blocks_from, b.last_seq AS blocks_to
   FROM (
@@ -116,8 +139,7 @@ def _live_log(after: str) -> str:
            string_agg({ITEM_HEAD}, ',' ORDER BY i.seq) AS heads, array_agg(i.rendered ORDER BY i.seq) AS renders,
            json_agg(i.tokens ORDER BY i.seq) AS counts, array_agg(i.segment IS NOT NULL ORDER BY i.seq) AS referable,
            json_agg(i.pointer ORDER BY i.seq) AS pointers
-    FROM items i WHERE i.session_id = $1
-      AND (i.seq > {after} AND i.seq < coalesce(b.first_seq, 2147483647) OR i.seq > greatest({after}, b.last_seq))
+    FROM {_live_rows(after)}
   ) r
 ) log ON true"""
 
