@@ -86,7 +86,7 @@ class BuildActivities(BuildCalls):
         body_segments = plan.segments[len(prefix.segments) :]
         form = cache.body_form(plan.prefix_sha256, body_segments, cache.render_for(estimator))
         # One write: the request's body (whole or a delta of this worker's last one, logged items by reference),
-        # its record and the turn's message.
+        # its record and the turn's message (looked for as logged since this call's read: the memo holds the rest).
         renders = state.render_for_log(message, cache)
         hashes, seqs, record = await store.store_request(
             inp.session_id,
@@ -105,6 +105,7 @@ class BuildActivities(BuildCalls):
             keep=form.keep,
             append=message,
             renders=renders,
+            append_after_seq=cache.max_seq,
         )
         if message and seqs != [ri.max_seq]:
             # Something was logged between this call's read and its write (a late reply of a timed-out attempt):

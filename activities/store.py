@@ -90,9 +90,9 @@ MAX_SEQ = 2147483647  # the largest `integer`: no log position reaches it
 
 
 def _live_rows(after: str) -> str:
-    """The rows `_live_log` reads (alias `i`): session $1's items after position `after` and before the blocks
-    (`b.first_seq`, none: no bound), then those after the blocks (`b.last_seq`), in log order, as two ranges of
-    `items_pkey`, each bounded on both sides.
+    """The rows `_live_log` reads (alias `i`): session $1's items after position `after` and before the blocks'
+    first position (`b.first_seq`; with no blocks, all of them), then those after the blocks' last (`b.last_seq`),
+    in log order, as two ranges of `items_pkey`, each bounded on both sides.
 
     Whatever plan PostgreSQL made: a connection plans each statement once (`SERVER_SETTINGS`), and a condition
     either range may meet (`OR`) was planned, on a table never analysed, as a scan of the session's rows by
@@ -334,8 +334,8 @@ SQL_REQUEST_CHAIN = (
     + " AS body FROM chain ORDER BY depth"
 )
 # A built request in one round trip: its body (content-addressed), its record, the turn's message when it is
-# logged with it ($12: append entries, possibly none), and the distinct prefix hashes of its epoch with this
-# request's counted (first seen first).
+# logged with it ($12: append entries, possibly none; looked for after position $13), and the distinct prefix hashes
+# of its epoch with this request's counted (first seen first).
 SQL_STORE_REQUEST = (
     """
 WITH body AS (
@@ -354,7 +354,7 @@ WITH body AS (
     INSERT INTO request_prefixes (session_id, epoch, prefix_sha256, first_turn, first_call_index)
     VALUES ($1, $4, $5, $2, $3) ON CONFLICT DO NOTHING
 ), """
-    + _append_ctes("$12::jsonb", "$2", "NULL::text", "-1")
+    + _append_ctes("$12::jsonb", "$2", "NULL::text", "$13")
     + """
 SELECT (
     SELECT jsonb_agg(jsonb_build_object('prefix_sha256', p.prefix_sha256, 'first_turn', p.first_turn)
@@ -941,10 +941,17 @@ class Store:
         keep: int = 0,
         append: Sequence[dict[str, Any]] = (),
         renders: Sequence[ItemRender] | None = None,
+        append_after_seq: int = -1,
     ) -> tuple[list[EpochPrefix], list[int], RequestRecord | None]:
         """The request's body and record, and `append` (the turn's message, when it is logged with the request),
         in one round trip. Returns the epoch's distinct prefix hashes, the appended items' seqs (as `append_items`
         does) and the record as stored (None when it was not written: the call was already answered).
+
+        `append` is looked for as already logged after `append_after_seq` (-1: in the whole log): a build passes
+        the position its read brought the worker's memo to, before which the memo holds every logged item the
+        latest checkpoint does not cover (and no checkpoint covers the turn's message). So the lookup costs what
+        was logged since the read, whatever plan PostgreSQL made: from -1, a table never analysed had it scan the
+        session's rows (tests/integration/test_append_plans.py).
 
         The body is stored as a link: the first `keep` segments of request `base` (None: none), then `body`, whose
         entries are segments or references to a logged item's stored segment (`{"ref": item id}`, its count
@@ -964,6 +971,7 @@ class Store:
             inputs,
             stored,
             _entries(append, renders),
+            append_after_seq,
         )
         return [EpochPrefix(**p) for p in row["prefixes"]], _appended(row, append), _record(row["record"])
 

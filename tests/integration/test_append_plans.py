@@ -1,8 +1,9 @@
-"""The reply's append costs what was logged since its request, whatever plan PostgreSQL made for it: on a real
-PostgreSQL, the statement planned once on an empty table (as a store connection plans it, `SERVER_SETTINGS`) and
-run against a session of 2,000 items, before and after the table is analysed. PostgreSQL's own count of the rows
-it read and threw away (`EXPLAIN ANALYZE`) is the measure; the plain lookups, put back, read the session's
-whole log."""
+"""The reply's append costs what was logged since its request, and the build's lookup of the turn's message what
+was logged since the build's read, whatever plan PostgreSQL made for them: on a real PostgreSQL, each statement
+planned once on an empty table (as a store connection plans it, `SERVER_SETTINGS`) and run against a session of
+2,000 items, before and after the table is analysed. PostgreSQL's own count of the rows it read and threw away
+(`EXPLAIN ANALYZE`) is the measure; the plain lookups, put back, and the message looked for in the whole log read
+the session's whole log."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from activities.store import SERVER_SETTINGS, SQL_APPEND_ITEMS, Store
+from activities.store import SERVER_SETTINGS, SQL_APPEND_ITEMS, SQL_STORE_REQUEST, Store
 
 pytestmark = pytest.mark.integration
 
@@ -57,25 +58,36 @@ def _rows_thrown_away(plan: Any) -> tuple[int, list[str]]:
     return removed, scans
 
 
-async def _thrown_away(dsn: str, sql: str) -> list[tuple[int, list[str]]]:
-    """The append of a two-item reply after position AFTER, planned on the empty table: the rows it read and threw
-    away, with the table young (never analysed) and then analysed."""
+def _reply(after: int) -> str:
+    """The append of a two-item reply to the request built after position `after` (EXPLAIN takes no parameters:
+    the values as literals)."""
+    entries = json.dumps([_entry("t999.m0.text"), _entry("t999.m0.call0")])
+    return f"'s', $e${entries}$e$, 999, 't999.m0.', {after}"
+
+
+def _turn_message(after: int) -> str:
+    """A build's write of its request with the turn's message, looked for after position `after`."""
+    entries = json.dumps([_entry("u:999")])
+    body = json.dumps({"base": None, "keep": 0, "tail": [], "session": "s", "counter": "c"})
+    return f"'s', 999, 0, 0, 'p', 'r', 10, 10, '{{}}', '{{}}', $b${body}$b$, $e${entries}$e$, {after}"
+
+
+async def _thrown_away(dsn: str, sql: str, args: str) -> list[tuple[int, list[str]]]:
+    """`sql` run with `args` (its parameters' values as literals), planned on the empty table: the rows it read
+    and threw away, with the table young (never analysed) and then analysed."""
     async with Store.from_dsn(dsn) as store:
         await store.migrate()
     conn = await asyncpg.connect(dsn, server_settings=SERVER_SETTINGS)
     try:
         await conn.execute("INSERT INTO sessions (session_id, open, secret) VALUES ('s', '{}'::jsonb, '\\x00'::bytea)")
         params = (await conn.prepare(sql)).get_parameters()
-        await conn.execute(f"PREPARE reply({', '.join(t.name for t in params)}) AS {sql}")
-        entries = json.dumps([_entry("t999.m0.text"), _entry("t999.m0.call0")])
+        await conn.execute(f"PREPARE append({', '.join(t.name for t in params)}) AS {sql}")
 
         async def explain() -> tuple[int, list[str]]:
             tx = conn.transaction()
             await tx.start()
             try:  # run, measured, and rolled back
-                plan = await conn.fetchval(  # EXPLAIN takes no parameters: the values as literals
-                    f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE reply('s', $e${entries}$e$, 999, 't999.m0.', {AFTER})"
-                )
+                plan = await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE append({args})")
             finally:
                 await tx.rollback()
             return _rows_thrown_away(plan)
@@ -97,9 +109,23 @@ async def _thrown_away(dsn: str, sql: str) -> list[tuple[int, list[str]]]:
 
 
 async def test_a_reply_append_reads_what_was_logged_since_its_request(pg_dsn: str) -> None:
-    for removed, scans in await _thrown_away(pg_dsn, SQL_APPEND_ITEMS):
+    for removed, scans in await _thrown_away(pg_dsn, SQL_APPEND_ITEMS, _reply(AFTER)):
         assert removed <= BOUND, scans
         assert not any(scan.startswith("Seq Scan") for scan in scans), scans
+
+
+async def test_a_builds_message_lookup_reads_what_was_logged_since_its_read(pg_dsn: str) -> None:
+    """The turn's message is looked for after the position the build's read brought its memo to."""
+    for removed, scans in await _thrown_away(pg_dsn, SQL_STORE_REQUEST, _turn_message(ITEMS - 1)):
+        assert removed == 0, scans
+        assert not any(scan.startswith("Seq Scan") for scan in scans), scans
+
+
+async def test_a_message_lookup_in_the_whole_log_reads_it(pg_dsn: str) -> None:
+    """The measure sees the fault: looked for in the whole log (-1, as before), the young table's plan reads the
+    session's rows."""
+    young, _ = await _thrown_away(pg_dsn, SQL_STORE_REQUEST, _turn_message(-1))
+    assert young[0] >= ITEMS, young
 
 
 async def test_the_plain_lookups_read_the_whole_log(pg_dsn: str) -> None:
@@ -108,5 +134,5 @@ async def test_the_plain_lookups_read_the_whole_log(pg_dsn: str) -> None:
     for new, old in PLAIN:
         assert new in sql
         sql = sql.replace(new, old)
-    young, analysed = await _thrown_away(pg_dsn, sql)
+    young, analysed = await _thrown_away(pg_dsn, sql, _reply(AFTER))
     assert young[0] >= ITEMS and analysed[0] >= ITEMS

@@ -90,7 +90,7 @@ async def _reads(conn: asyncpg.Connection, sql: str) -> dict[int, list[dict[str,
 async def test_a_read_touches_what_was_logged_since_the_memo(conn: asyncpg.Connection) -> None:
     for removed, scans in await _thrown_away(conn, SQL_LIVE_ITEMS):
         assert removed <= BOUND, scans
-        assert scans and all(scan.startswith("Index Scan items_pkey") for scan in scans), scans
+        assert scans and not any(scan.startswith("Seq Scan") for scan in scans), scans
 
 
 async def test_the_ranges_read_what_the_condition_read(conn: asyncpg.Connection) -> None:
