@@ -58,6 +58,18 @@ def _rows_thrown_away(plan: Any) -> tuple[int, list[str]]:
     return removed, scans
 
 
+async def _log(conn: asyncpg.Connection) -> None:
+    """ITEMS items of session 's', one row each (the trigger seals them into blocks as they are logged)."""
+    await conn.execute(
+        """INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
+        SELECT 's', g, 'i' || g, 'user_message', 'USER', g / 2,
+               jsonb_build_object('id', 'i' || g, 'kind', 'user_message', 'trust', 'USER', 'text', 'hi', 'seq', g),
+               'hi', '{"c": 1}'::jsonb
+        FROM generate_series(0, $1 - 1) AS g""",
+        ITEMS,
+    )
+
+
 def _reply(after: int) -> str:
     """The append of a two-item reply to the request built after position `after` (EXPLAIN takes no parameters:
     the values as literals)."""
@@ -93,14 +105,7 @@ async def _thrown_away(dsn: str, sql: str, args: str) -> list[tuple[int, list[st
             return _rows_thrown_away(plan)
 
         await explain()  # the plan: made now, on the empty table, and kept
-        await conn.execute(
-            """INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
-            SELECT 's', g, 'i' || g, 'user_message', 'USER', g / 2,
-                   jsonb_build_object('id', 'i' || g, 'kind', 'user_message', 'trust', 'USER', 'text', 'hi', 'seq', g),
-                   'hi', '{"c": 1}'::jsonb
-            FROM generate_series(0, $1 - 1) AS g""",
-            ITEMS,
-        )
+        await _log(conn)
         young = await explain()
         await conn.execute("ANALYZE items")  # a new plan: one session's log is the whole table
         return [young, await explain()]

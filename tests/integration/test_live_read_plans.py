@@ -2,30 +2,29 @@
 on a real PostgreSQL, the read (`SQL_LIVE_ITEMS`, whose log part every build and model call read shares) planned
 once on an empty table, as a store connection plans it (`SERVER_SETTINGS`), and run against a session of 2,000
 items sealed into blocks by the trigger, before and after the table is analysed. PostgreSQL's own count of the
-rows it read and threw away (`EXPLAIN ANALYZE`) is the measure; the read as it was (one condition either range may
-meet), put back, reads the session's whole log on the young table."""
+rows it read and threw away (`EXPLAIN ANALYZE`, measured as `test_append_plans` measures the appends) is the
+measure; the read as it was (one condition either range may meet), put back, reads the session's whole log on the
+young table."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
-import pytest_asyncio
 
 from activities.store import SERVER_SETTINGS, SQL_LIVE_ITEMS, Store, _live_rows
-from tests.integration.test_append_plans import _rows_thrown_away
+from tests.integration.test_append_plans import ITEMS, _log, _thrown_away
 
 pytestmark = pytest.mark.integration
 
-ITEMS = 2_000
 AFTER_EXPR = "greatest($2, cp.covers_to_seq)"  # the read's position: the memo's, or the checkpoint's when later
 # Memo positions: none, inside the first block, before a block (its rows, the blocks, the rows after them), in the
 # unsealed tail (the warm path: 9 items since the memo), at the end, past it.
 POSITIONS = (-1, 100, 1_000, ITEMS - 10, ITEMS - 1, ITEMS + 100)
 # The rows of a read after the tail blocks: at most what no block holds (a tail block seals every 64 items).
 BOUND = 64
+WARM = f"'s', {ITEMS - 10}"  # the read of the 9 items after position ITEMS - 10 (its parameters, as literals)
 # The read as it was: one condition either range may meet.
 OR_FORM = f"""items i WHERE i.session_id = $1
       AND (i.seq > {AFTER_EXPR} AND i.seq < coalesce(b.first_seq, 2147483647)
@@ -38,65 +37,28 @@ def _or_form(sql: str) -> str:
     return sql.replace(rows, OR_FORM)
 
 
-@pytest_asyncio.fixture
-async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    async with Store.from_dsn(pg_dsn) as store:
-        await store.migrate()
-    connection = await asyncpg.connect(pg_dsn, server_settings=SERVER_SETTINGS)
-    await connection.execute(
-        "INSERT INTO sessions (session_id, open, secret) VALUES ('s', '{}'::jsonb, '\\x00'::bytea)"
-    )
-    try:
-        yield connection
-    finally:
-        await connection.close()
-
-
-async def _log(conn: asyncpg.Connection) -> None:
-    """2,000 items of one session, one row each, sealed into blocks as they are logged (the trigger)."""
-    await conn.execute(
-        """INSERT INTO items (session_id, seq, item_id, kind, trust, turn, payload, rendered, tokens)
-        SELECT 's', g, 'i' || g, 'user_message', 'USER', g / 2,
-               jsonb_build_object('id', 'i' || g, 'kind', 'user_message', 'trust', 'USER', 'seq', g,
-                                  'text', repeat('a status note ', 20)),
-               repeat('<user_message>a status note</user_message>', 12), '{"c": 60}'::jsonb
-        FROM generate_series(0, $1 - 1) AS g""",
-        ITEMS,
-    )
-    assert await conn.fetchval("SELECT count(*) FROM item_tail_blocks") > 0  # blocks, then tail blocks, then rows
-
-
-async def _thrown_away(conn: asyncpg.Connection, sql: str) -> list[tuple[int, list[str]]]:
-    """The read of the 9 items after position ITEMS - 10, planned on the empty table: the rows it read and threw
-    away, with the table young (never analysed) and then analysed."""
-    params = (await conn.prepare(sql)).get_parameters()
-    await conn.execute(f"PREPARE live({', '.join(t.name for t in params)}) AS {sql}")
-
-    async def explain() -> tuple[int, list[str]]:
-        # EXPLAIN takes no parameters: the values as literals
-        return _rows_thrown_away(await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE live('s', {ITEMS - 10})"))
-
-    await explain()  # the plan: made now, on the empty table, and kept
-    await _log(conn)
-    young = await explain()
-    await conn.execute("ANALYZE items")  # a new plan: one session's log is the whole table
-    return [young, await explain()]
-
-
 async def _reads(conn: asyncpg.Connection, sql: str) -> dict[int, list[dict[str, Any]]]:
     return {after: [dict(r) for r in await conn.fetch(sql, "s", after)] for after in POSITIONS}
 
 
-async def test_a_read_touches_what_was_logged_since_the_memo(conn: asyncpg.Connection) -> None:
-    for removed, scans in await _thrown_away(conn, SQL_LIVE_ITEMS):
+async def test_a_read_touches_what_was_logged_since_the_memo(pg_dsn: str) -> None:
+    for removed, scans in await _thrown_away(pg_dsn, SQL_LIVE_ITEMS, WARM):
         assert removed <= BOUND, scans
         assert scans and not any(scan.startswith("Seq Scan") for scan in scans), scans
 
 
-async def test_the_ranges_read_what_the_condition_read(conn: asyncpg.Connection) -> None:
+async def test_the_ranges_read_what_the_condition_read(pg_dsn: str) -> None:
     """The same rows and blocks, in the same order, from every memo position (blocks before, between, after)."""
-    await _log(conn)
-    ranges, either = await _reads(conn, SQL_LIVE_ITEMS), await _reads(conn, _or_form(SQL_LIVE_ITEMS))
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+    conn = await asyncpg.connect(pg_dsn, server_settings=SERVER_SETTINGS)
+    try:
+        await conn.execute("INSERT INTO sessions (session_id, open, secret) VALUES ('s', '{}'::jsonb, '\\x00'::bytea)")
+        await _log(conn)
+        assert await conn.fetchval("SELECT count(*) FROM item_tail_blocks") > 0  # blocks, tail blocks, then rows
+        ranges, either = await _reads(conn, SQL_LIVE_ITEMS), await _reads(conn, _or_form(SQL_LIVE_ITEMS))
+    finally:
+        await conn.close()
     assert ranges == either
     main = {after: rows[0] for after, rows in ranges.items()}  # the query's own row, then the blocks' rows
     assert main[ITEMS - 10]["seqs"] == list(range(ITEMS - 9, ITEMS)) and main[ITEMS + 100]["seqs"] is None
@@ -107,7 +69,7 @@ async def test_the_ranges_read_what_the_condition_read(conn: asyncpg.Connection)
     assert len(ranges[1_000]) > 1  # the blocks' rows
 
 
-async def test_the_condition_reads_the_whole_log(conn: asyncpg.Connection) -> None:
+async def test_the_condition_reads_the_whole_log(pg_dsn: str) -> None:
     """The measure sees the fault: the read as it was scans the session's rows on the young table."""
-    young, _ = await _thrown_away(conn, _or_form(SQL_LIVE_ITEMS))
+    young, _ = await _thrown_away(pg_dsn, _or_form(SQL_LIVE_ITEMS), WARM)
     assert young[0] >= ITEMS - 64, young
