@@ -97,9 +97,10 @@ def _live_rows(after: str) -> str:
     Whatever plan PostgreSQL made: a connection plans each statement once (`SERVER_SETTINGS`), and a condition
     either range may meet (`OR`) was planned, on a table never analysed, as a scan of the session's rows by
     `session_id` alone, and, on an analysed table holding one session's log, as a sequential scan of the table.
-    Bounded on both sides by values the plan does not know, each range is estimated as the small part of the
-    session it is; its `ORDER BY` leaves `items_pkey` the one index that needs no sort, where a young table's
-    costs would tie it with `(session_id, item_id)` (tests/integration/test_live_read_plans.py)."""
+    Bounded on both sides, at least one side by a value the plan cannot know, each range is estimated as the small
+    part of the session it is (PostgreSQL's default for such a range); its `ORDER BY` leaves `items_pkey` the one
+    index that needs no sort, where a young table's costs would tie it with `(session_id, item_id)`
+    (tests/integration/test_live_read_plans.py)."""
     return f"""(
       (SELECT * FROM items x WHERE x.session_id = $1 AND x.seq > {after} AND x.seq < coalesce(b.first_seq, {MAX_SEQ})
        ORDER BY x.seq)
