@@ -191,7 +191,7 @@ SQL_LIVE_ITEMS = _with_blocks(
 def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     """The CTEs that log items once each, in order, at the next positions of session $1, with their stored
     render: `entries` a jsonb array of {item, rendered, tokens, segment, pointer}; the items not logged yet (by id,
-    after position `after`: -1, the whole log, unless a group's request names its position) are appended; a group
+    after position `after`: a reply's request's, a build's read's, else -1, the whole log) are appended; a group
     already begun (`group`: its id prefix, looked for after `after`) adds nothing. Positions race only with another
     append to the same session at the same instant (the workflow serialises them): the primary key refuses it and
     the store retries the statement. Read the outcome with `APPENDED`.
