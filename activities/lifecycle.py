@@ -211,8 +211,13 @@ async def seal_orphans(
     unanswered = cache.unanswered_calls()
     if not unanswered:
         return 0
-    rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id)}
-    orphans = [i for i in unanswered if rows.get(i.id, 0) <= upto_turn]
+    # The log from the first of them on (not the whole log): each call's turn, and the results the memo has not
+    # seen. A result logged since the caller's read is one; so is a result a checkpoint covered, with its call,
+    # before this worker read it (the memo kept the call, from an earlier read, as covered and unanswered).
+    rows = {r.payload["id"]: r.turn for r in await state.store.load_items(session_id, unanswered[0].seq - 1)}
+    answered = {i.call_id for i in unanswered if f"{i.id}.result" in rows}
+    cache.answered_unseen(answered)
+    orphans = [i for i in unanswered if i.call_id not in answered and rows.get(i.id, 0) <= upto_turn]
     for call in orphans:
         await state.append(
             session_id,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from typing import Any, NamedTuple, cast
 
@@ -275,6 +275,13 @@ class SessionCache:
         log = self.items
         calls = [cast(ToolCall, log.item(log.at(seq))) for seq in self.open_calls.values()]
         return sorted([*calls, *self.covered_calls.values()], key=_seq)
+
+    def answered_unseen(self, call_ids: Iterable[str]) -> None:
+        """Calls whose results were logged where the memo does not look (`seal_orphans` read them): answered. A
+        call a checkpoint covers is forgotten now (no read of this memo will bring its result); the next read
+        brings the others' results."""
+        for call_id in call_ids:
+            self.covered_calls.pop(call_id, None)
 
     def logged(self, renders: RenderCache, estimator: TokenEstimator, message: HistoryItem | None) -> LoggedHistory:
         """The log as the builder reads it, with `renders`' counter's segments (one made now of an item logged
@@ -648,15 +655,17 @@ class SessionState:
         turn: int,
         items: list[dict[str, Any]],
         cache: SessionCache,
-        *,
-        group_prefix: str | None = None,
-        group_after_seq: int = -1,
     ) -> list[int]:
-        """Log `items` with their renders (`renders`), in one round trip; they join the memo (`joined`)."""
+        """Log `items` with their renders (`renders`), in one round trip; they join the memo (`joined`).
+
+        `cache` is up to date (the caller read the log), and the callers log results the log does not hold (a
+        tool's, looked for in the memo first; a sealed call's, in the log from the call on): an item already logged
+        is looked for only after the memo's last position. In the whole log, a table never analysed (a new
+        database) planned that lookup as a read of the session's rows. An item logged before it all the same (a
+        late attempt's) is still logged once: the unique index keeps the first, and the item does not join the
+        memo."""
         renders = self.render_for_log(items, cache)
-        seqs = await self.store.append_items(
-            session_id, turn, items, group_prefix=group_prefix, group_after_seq=group_after_seq, renders=renders
-        )
+        seqs = await self.store.append_items(session_id, turn, items, group_after_seq=cache.max_seq, renders=renders)
         self.joined(items, seqs, renders, cache)
         return seqs
 

@@ -1,9 +1,9 @@
-"""The reply's append costs what was logged since its request, and the build's lookup of the turn's message what
-was logged since the build's read, whatever plan PostgreSQL made for them: on a real PostgreSQL, each statement
-planned once on an empty table (as a store connection plans it, `SERVER_SETTINGS`) and run against a session of
-2,000 items, before and after the table is analysed. PostgreSQL's own count of the rows it read and threw away
-(`EXPLAIN ANALYZE`) is the measure; the plain lookups, put back, and the message looked for in the whole log read
-the session's whole log."""
+"""The reply's append costs what was logged since its request, and the build's lookup of the turn's message (and
+the lookup of a tool's or a sealed call's result) what was logged since the read before it, whatever plan PostgreSQL
+made for them: on a real PostgreSQL, each statement planned once on an empty table (as a store connection plans it,
+`SERVER_SETTINGS`) and run against a session of 2,000 items, before and after the table is analysed. PostgreSQL's
+own count of the rows it read and threw away (`EXPLAIN ANALYZE`) is the measure; the plain lookups, put back, and
+the message or a result looked for in the whole log read the session's whole log."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from activities.session_state import SessionState
 from activities.store import SERVER_SETTINGS, SQL_APPEND_ITEMS, SQL_STORE_REQUEST, Store
 
 pytestmark = pytest.mark.integration
@@ -75,6 +76,12 @@ def _reply(after: int) -> str:
     the values as literals)."""
     entries = json.dumps([_entry("t999.m0.text"), _entry("t999.m0.call0")])
     return f"'s', $e${entries}$e$, 999, 't999.m0.', {after}"
+
+
+def _result(after: int) -> str:
+    """The append of a tool call's result (no group), looked for after position `after`."""
+    entries = json.dumps([_entry("t999.m0.call0.result")])
+    return f"'s', $e${entries}$e$, 999, NULL, {after}"
 
 
 def _turn_message(after: int) -> str:
@@ -141,3 +148,55 @@ async def test_the_plain_lookups_read_the_whole_log(pg_dsn: str) -> None:
         sql = sql.replace(new, old)
     young, analysed = await _thrown_away(pg_dsn, sql, _reply(AFTER))
     assert young[0] >= ITEMS and analysed[0] >= ITEMS
+
+
+async def test_a_result_lookup_reads_what_was_logged_since_the_memo(pg_dsn: str) -> None:
+    """A result looked for after the memo's last position (all of the log, here) throws away no row."""
+    for removed, scans in await _thrown_away(pg_dsn, SQL_APPEND_ITEMS, _result(ITEMS - 1)):
+        assert removed == 0, scans
+        assert not any(scan.startswith("Seq Scan") for scan in scans), scans
+
+
+async def test_a_result_lookup_in_the_whole_log_reads_it(pg_dsn: str) -> None:
+    """The measure sees the fault: looked for in the whole log (-1, as before), the young table's plan reads the
+    session's rows."""
+    young, _ = await _thrown_away(pg_dsn, SQL_APPEND_ITEMS, _result(-1))
+    assert young[0] >= ITEMS, young
+
+
+class _Recorded:
+    """A store's pool whose single-row statements (the appends) are recorded with their arguments."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self.rows: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def fetchrow(self, sql: str, *args: Any) -> Any:
+        self.rows.append((sql, args))
+        return await self.pool.fetchrow(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+
+async def test_a_result_is_looked_for_after_the_memos_position(pg_dsn: str) -> None:
+    """`SessionState.append` (a tool's result, a sealed call's) passes the position its caller's read brought the
+    memo to: the statement it sends looks after the log's last item, not in the whole log (-1)."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        async with store.pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO sessions (session_id, open, secret) VALUES ('s', $1::jsonb, '\\x00'::bytea)",
+                {"agent_instructions": "be brief"},  # the store's connections encode JSON themselves
+            )
+            await _log(conn)
+        recorded = _Recorded(store.pool)
+        state = SessionState(Store(recorded), {})  # type: ignore[arg-type]
+        _, _, cache = await state.session("s")
+        await state.items("s", cache)  # the caller's read
+        result = {"id": "t999.m0.call0.result", "kind": "tool_result", "trust": "TOOL", "call_id": "call0"}
+        result |= {"tool_name": "notes.read", "content": "ok", "is_error": False, "artifact_ref": None}
+        seqs = await state.append("s", 999, [result], cache)
+    appends = [args for sql, args in recorded.rows if sql == SQL_APPEND_ITEMS]
+    assert seqs == [ITEMS] and len(appends) == 1
+    assert appends[0][-1] == ITEMS - 1, appends[0][-1]  # group_after_seq: the log's last position
