@@ -126,17 +126,26 @@ async def test_a_reply_append_reads_what_was_logged_since_its_request(pg_dsn: st
         assert not any(scan.startswith("Seq Scan") for scan in scans), scans
 
 
-async def test_a_builds_message_lookup_reads_what_was_logged_since_its_read(pg_dsn: str) -> None:
-    """The turn's message is looked for after the position the build's read brought its memo to."""
-    for removed, scans in await _thrown_away(pg_dsn, SQL_STORE_REQUEST, _turn_message(ITEMS - 1)):
+# The lookups bounded by the position of the read before them: the build's of the turn's message (logged with its
+# request), and a tool's or a sealed call's result's (`SessionState.append`).
+AFTER_THE_READ = pytest.mark.parametrize(
+    ("sql", "args"), [(SQL_STORE_REQUEST, _turn_message), (SQL_APPEND_ITEMS, _result)], ids=["message", "result"]
+)
+
+
+@AFTER_THE_READ
+async def test_a_lookup_after_the_read_reads_what_was_logged_since(pg_dsn: str, sql: str, args: Any) -> None:
+    """Looked for after the position the read brought the memo to (all of the log, here): no row thrown away."""
+    for removed, scans in await _thrown_away(pg_dsn, sql, args(ITEMS - 1)):
         assert removed == 0, scans
         assert not any(scan.startswith("Seq Scan") for scan in scans), scans
 
 
-async def test_a_message_lookup_in_the_whole_log_reads_it(pg_dsn: str) -> None:
+@AFTER_THE_READ
+async def test_a_lookup_in_the_whole_log_reads_it(pg_dsn: str, sql: str, args: Any) -> None:
     """The measure sees the fault: looked for in the whole log (-1, as before), the young table's plan reads the
     session's rows."""
-    young, _ = await _thrown_away(pg_dsn, SQL_STORE_REQUEST, _turn_message(-1))
+    young, _ = await _thrown_away(pg_dsn, sql, args(-1))
     assert young[0] >= ITEMS, young
 
 
@@ -148,20 +157,6 @@ async def test_the_plain_lookups_read_the_whole_log(pg_dsn: str) -> None:
         sql = sql.replace(new, old)
     young, analysed = await _thrown_away(pg_dsn, sql, _reply(AFTER))
     assert young[0] >= ITEMS and analysed[0] >= ITEMS
-
-
-async def test_a_result_lookup_reads_what_was_logged_since_the_memo(pg_dsn: str) -> None:
-    """A result looked for after the memo's last position (all of the log, here) throws away no row."""
-    for removed, scans in await _thrown_away(pg_dsn, SQL_APPEND_ITEMS, _result(ITEMS - 1)):
-        assert removed == 0, scans
-        assert not any(scan.startswith("Seq Scan") for scan in scans), scans
-
-
-async def test_a_result_lookup_in_the_whole_log_reads_it(pg_dsn: str) -> None:
-    """The measure sees the fault: looked for in the whole log (-1, as before), the young table's plan reads the
-    session's rows."""
-    young, _ = await _thrown_away(pg_dsn, SQL_APPEND_ITEMS, _result(-1))
-    assert young[0] >= ITEMS, young
 
 
 class _Recorded:
@@ -191,11 +186,17 @@ async def test_a_result_is_looked_for_after_the_memos_position(pg_dsn: str) -> N
             )
             await _log(conn)
         recorded = _Recorded(store.pool)
-        state = SessionState(Store(recorded), {})  # type: ignore[arg-type]
+        state = SessionState(Store(recorded), {})
         _, _, cache = await state.session("s")
         await state.items("s", cache)  # the caller's read
-        result = {"id": "t999.m0.call0.result", "kind": "tool_result", "trust": "TOOL", "call_id": "call0"}
-        result |= {"tool_name": "notes.read", "content": "ok", "is_error": False, "artifact_ref": None}
+        result: dict[str, Any] = {"id": "t999.m0.call0.result", "kind": "tool_result", "trust": "TOOL"}
+        result |= {
+            "call_id": "call0",
+            "tool_name": "notes.read",
+            "content": "ok",
+            "is_error": False,
+            "artifact_ref": None,
+        }
         seqs = await state.append("s", 999, [result], cache)
     appends = [args for sql, args in recorded.rows if sql == SQL_APPEND_ITEMS]
     assert seqs == [ITEMS] and len(appends) == 1
