@@ -191,10 +191,11 @@ SQL_LIVE_ITEMS = _with_blocks(
 def _append_ctes(entries: str, turn: str, group: str, after: str) -> str:
     """The CTEs that log items once each, in order, at the next positions of session $1, with their stored
     render: `entries` a jsonb array of {item, rendered, tokens, segment, pointer}; the items not logged yet (by id,
-    after position `after`: a reply's request's, a build's read's, else -1, the whole log) are appended; a group
-    already begun (`group`: its id prefix, looked for after `after`) adds nothing. Positions race only with another
-    append to the same session at the same instant (the workflow serialises them): the primary key refuses it and
-    the store retries the statement. Read the outcome with `APPENDED`.
+    after position `after`: a reply's request's, else that of the read before the append, a build's, a tool's or a
+    seal's; -1 looks in the whole log) are appended; a group already begun (`group`: its id prefix, looked for after
+    `after`) adds nothing. Positions race only with another append to the same session at the same instant (the
+    workflow serialises them): the primary key refuses it and the store retries the statement. Read the outcome
+    with `APPENDED`.
 
     A reply's lookups cost what was logged since its request, whatever plan PostgreSQL made: each item's is bounded
     by `after` as well as keyed by id, and the group's takes the first match in log order (`ORDER BY seq LIMIT 1`,
