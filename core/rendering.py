@@ -379,7 +379,9 @@ def _word(word: str, *, fast: bool = False) -> str:
 
 _ESC = r"\\u\{[0-9A-F]{1,6}\}"
 _HSPACE = r"[^\S\n]"
-_COLON_AHEAD = rf"{_HSPACE}*[*_]*{_HSPACE}*(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
+# Possessive runs: blanks, `*`/`_` and colons are disjoint sets, so the match is the same as with backtracking
+# runs, but a role word before a long run of blanks costs one pass, not a search over every split of the run.
+_COLON_AHEAD = rf"{_HSPACE}*+[*_]*+{_HSPACE}*+(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
 
 
 def _role_first(*, fast: bool) -> str:
@@ -404,8 +406,10 @@ _ANGLE_RE = re.compile(
     rf"<(?=<|{_char_class(_BARS)}|/?(?:{'|'.join(_CHAT_TAGS)})(?=[\s/>]))",
     re.IGNORECASE,
 )
-# A run of literal backslashes directly before 'u{' or an escape is doubled; every other one stays single.
-_LITERAL_RUN_BEFORE_ESCAPE_RE = re.compile(rf"{_LITERAL_BACKSLASH}+(?=\\|u\{{)")
+# A run of literal backslashes directly before 'u{' or an escape is doubled; every other one stays single. A
+# match starts only at the first backslash of a run and takes the run whole, so a long run not followed by 'u{'
+# costs one pass, not one attempt from each of its backslashes.
+_LITERAL_RUN_BEFORE_ESCAPE_RE = re.compile(rf"(?<!{_LITERAL_BACKSLASH}){_LITERAL_BACKSLASH}++(?=\\|u\{{)")
 
 ESCAPING_FINGERPRINT = hashlib.sha256(
     "\x00".join(
@@ -494,7 +498,9 @@ def escape_content(text: str) -> str:
     return _escape_markers(_escape_chars(text))
 
 
-_UNESCAPE_RE = re.compile(r"(\\+)u\{(?:([0-9A-F]{1,6})\})?")
+# A whole run of backslashes before 'u{' (a match starts only at a run's first backslash and takes it whole), so
+# a long run not followed by 'u{' costs one pass.
+_UNESCAPE_RE = re.compile(r"(?<!\\)(\\++)u\{(?:([0-9A-F]{1,6})\})?")
 
 
 def _unescape_match(match: re.Match[str]) -> str:
