@@ -17,9 +17,11 @@ from contract.names import TASK_QUEUE
 
 
 class Settings(BaseSettings):
-    """The process's configuration. Field aliases are the variable names (no prefix magic)."""
+    """The process's configuration. Field aliases are the variable names (no prefix magic), and only they are
+    read: a field's own name is not a variable (`HOME`, `DATABASE_URL` and `TASK_QUEUE` belong to the shell and to
+    other programs, and `populate_by_name` would read them as `home`, `database_url` and `task_queue`)."""
 
-    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(frozen=True, extra="ignore")
 
     temporal_address: str | None = Field(default=None, validation_alias="TEMPORAL_ADDRESS")
     temporal_namespace: str = Field(default="default", min_length=1, validation_alias="TEMPORAL_NAMESPACE")

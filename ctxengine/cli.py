@@ -82,7 +82,8 @@ def bench_turns(
 
 @bench_app.command("cache")
 def bench_cache(as_json: JsonFlag = False) -> None:
-    """Cache economics: ctxengine against a naive assembler and a summarize-everything compactor, priced."""
+    """Cache economics, priced: ctxengine against a stable-prompt assembler that trims when full, one that summarizes
+    when full, and a naive one with the clock in its system prompt."""
     from harness.bench.cache_bench import run
 
     emit(run(progress=not as_json), as_json, "bench cache")
@@ -394,5 +395,17 @@ def purge(
         typer.echo(HISTORY_NOTE)
 
 
+def main() -> None:
+    """The console script. A malformed environment variable exits 2 naming the variable, whichever command read
+    it (docs/operations.md, "Configuration"), not 1 with a traceback."""
+    from contract.settings import SettingsError
+
+    try:
+        app()
+    except SettingsError as exc:
+        sys.stderr.write(f"ctxengine: {exc}\n")
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from contract.settings import SettingsError, settings
@@ -39,3 +43,56 @@ def test_a_malformed_variable_is_refused_by_name(variable: str, value: str) -> N
 )
 def test_a_well_formed_variable_is_taken(variable: str, value: str) -> None:
     settings({variable: value})
+
+
+# Variables of the shell and of other programs named like a field (`home`, `database_url`, `task_queue` ...).
+_OTHER_PROGRAMS = {
+    "HOME": "/root",
+    "DATABASE_URL": "postgresql://someone-else@elsewhere:5432/their_app",
+    "TASK_QUEUE": "their-queue",
+    "METRICS_ADDRESS": "garbage",
+    "EAGER_ACTIVITIES": "sometimes",
+}
+
+
+def test_only_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field's own name is not a variable: `HOME` is not ctxengine's home, nor `DATABASE_URL` its database."""
+    for variable in ("CTXENGINE_HOME", "CTXENGINE_DATABASE_URL", "CTXENGINE_TASK_QUEUE", "CTXENGINE_METRICS_ADDRESS"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in _OTHER_PROGRAMS.items():
+        monkeypatch.setenv(variable, value)
+    read = settings()
+    assert (str(read.home), read.database_url, read.metrics_address) == (".ctxengine", None, "")
+    assert read.task_queue != "their-queue" and read.eager_activities is True
+    assert settings(_OTHER_PROGRAMS) == settings({})
+
+
+def test_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same values under ctxengine's names are taken."""
+    monkeypatch.setenv("CTXENGINE_HOME", "/srv/ctxengine")
+    monkeypatch.setenv("CTXENGINE_DATABASE_URL", "postgresql://ctx@db:5432/ctxengine")
+    monkeypatch.setenv("CTXENGINE_TASK_QUEUE", "ctx-queue")
+    read = settings()
+    assert (str(read.home), read.database_url, read.task_queue) == (
+        "/srv/ctxengine",
+        "postgresql://ctx@db:5432/ctxengine",
+        "ctx-queue",
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "value"),
+    [
+        (["inspect", "no-such-session"], "TEMPORAL_ADDRESS", "localhost"),
+        (["demo"], "CTXENGINE_EAGER_ACTIVITIES", "maybe"),
+        (["purge", "--session", "s"], "CTXENGINE_DATABASE_URL", "mysql://u@h/db"),
+    ],
+)
+def test_every_command_exits_2_naming_a_malformed_variable(command: list[str], variable: str, value: str) -> None:
+    """The console script, not only `ctxengine worker`: exit 2 and one line naming the variable, no traceback."""
+    env = {**os.environ, variable: value}
+    done = subprocess.run(
+        [sys.executable, "-m", "ctxengine.cli", *command], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"environment variable {variable}:" in done.stderr and "Traceback" not in done.stderr
