@@ -47,7 +47,7 @@ from activities.store import Store
 from activities.tools import DEMO_TOOLS
 from contract import names
 from contract.payloads import ActivityTimeouts, SessionOpen, TurnResult
-from harness.sessions import SCRIPTED
+from harness.sessions import GATE_MEMORY_SCOPE, SCRIPTED
 from harness.worker_process import WorkerProcess
 from services.embedded import EmbeddedPostgres
 
@@ -69,6 +69,7 @@ def _open(**overrides: Any) -> SessionOpen:
         "tools": DEMO_TOOLS,
         "timeouts": CHAOS_TIMEOUTS,
         "model_route": SCRIPTED,
+        "memory_scope": GATE_MEMORY_SCOPE,
     }
     values.update(overrides)
     return SessionOpen.model_validate(values)

@@ -17,6 +17,7 @@ from activities.wire import wire_prefix
 from harness.faults import LaunderedStoredSegments, PrefixTimestampFault, TaintOff
 from harness.gates import gate_pairs, live_stack, run_gate
 from harness.torture import Op, Script
+from tests.integration.session_helpers import memories_in_default_scope
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -26,6 +27,8 @@ async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> N
     """Each gate passes on the live stack and reports its figures."""
     result = await run_gate(name, client=temporal_client, dsn=pg_dsn)
     assert result["passed"], result
+    # A gate remembers in its own scope: a developer's sessions on the same database never see its memories.
+    assert await memories_in_default_scope(pg_dsn) == 0
     if name == "stability":
         assert result["turns"] == 100 and result["distinct_prefix_hashes"] == 1
         assert result["wire_requests_checked"] >= 60 and result["wire_prefix_hashes_per_epoch"] == 1

@@ -11,7 +11,7 @@ from temporalio.client import Client
 
 from activities.store import Store
 from harness.gates_reliability import FAST_CHAOS, FAST_INPUTS, gate_chaos, gate_inputs, log_figures
-from tests.integration.session_helpers import stack
+from tests.integration.session_helpers import memories_in_default_scope, stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 FAULTY_WORKER = Path(__file__).with_name("faulty_worker.py")
@@ -22,6 +22,7 @@ async def test_inputs_gate_fast_profile(temporal_client: Client, pg_dsn: str, ta
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         result = await gate_inputs(temporal_client, store, task_queue, FAST_INPUTS)
     assert result["passed"], str(result)
+    assert await memories_in_default_scope(pg_dsn) == 0  # its memory writes land in the gates' own scope
 
 
 # The gate's p95 turn latency bound is wall-clock: under xdist it runs while no other test does (tests/conftest.py).

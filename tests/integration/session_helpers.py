@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import asyncpg
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import ActivityEnvironment
 
@@ -99,3 +100,12 @@ async def pages_session(store: Store, session_id: str) -> None:
             ],
             cache,
         )
+
+
+async def memories_in_default_scope(dsn: str) -> int:
+    """The memories in the scope a session names when it names none (`default`), read from PostgreSQL."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM memories WHERE scope = 'default'"))
+    finally:
+        await conn.close()
