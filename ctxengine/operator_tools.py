@@ -54,9 +54,11 @@ def load_config(path: Path) -> SessionOpen:
     try:
         return SessionOpen.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise ConfigError(f"{path}: field {field}: {first['msg']}") from exc
+        # Every error, so a misspelt field is named beside the required one it stands for.
+        problems = "; ".join(
+            f"field {'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}" for error in exc.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from exc
 
 
 def validate_config(

@@ -73,6 +73,15 @@ class TestValidate:
         assert res.exit_code == 2
         assert "tools.0.name" in res.stderr
 
+    def test_misspelt_field_is_named_beside_the_missing_one(self, tmp_path: Path) -> None:
+        """A misspelt `agent_instructions` exits 2 naming both the missing field and the unknown one."""
+        cfg = tmp_path / "typo.json"
+        cfg.write_text(json.dumps({"agent_instrucions": "Be brief."}))
+        res = runner.invoke(app, ["validate", str(cfg)])
+        assert res.exit_code == 2
+        assert "field agent_instructions: Field required" in res.stderr
+        assert "field agent_instrucions: Extra inputs are not permitted" in res.stderr
+
     def test_short_prefix_warns_uncacheable(self, tmp_path: Path) -> None:
         """A prefix below the route's minimum cacheable length is warned about."""
         cfg = tmp_path / "tiny.json"
