@@ -20,7 +20,6 @@ from typing import Any, TextIO, TypeVar, cast
 import structlog
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import (
     LogForwardingConfig,
     LoggingConfig,
@@ -49,6 +48,7 @@ from activities.session import SessionActivities
 from activities.store import Store
 from activities.tools import Executor
 from contract import names
+from contract.converter import DATA_CONVERTER
 from contract.settings import SettingsError, settings
 from services.embedded import (
     EmbeddedUnavailable,
@@ -187,7 +187,7 @@ async def connect(address: str, namespace: str | None = None) -> Client:
     return await Client.connect(
         address,
         namespace=namespace or settings().temporal_namespace,
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
     )
 
 

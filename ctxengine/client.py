@@ -30,12 +30,12 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
 )
 from temporalio.common import SearchAttributeKey, WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError, FailureError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.store import SessionNotClosedError, Store
 from contract import names
+from contract.converter import DATA_CONVERTER
 from contract.payloads import (
     CloseSession,
     DeleteMemory,
@@ -403,7 +403,7 @@ async def connect(
     client = await Client.connect(
         address or settings().temporal_address or "localhost:7233",
         namespace=namespace or settings().temporal_namespace,
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
         interceptors=interceptors,
     )
     dsn = database_url or settings().database_url

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
@@ -30,6 +29,7 @@ from activities.store import Store
 from activities.tokens import TiktokenCounter
 from activities.tools import DEMO_TOOLS, EXECUTORS, ToolOutput
 from contract import names
+from contract.converter import DATA_CONVERTER
 from contract.events import EventType
 from contract.payloads import (
     RevokeTool,
@@ -127,7 +127,7 @@ async def live_stack(
                 Path(__file__).parents[1] / ".venv/bin/temporal-test-server"
             )
             env = await WorkflowEnvironment.start_time_skipping(
-                test_server_existing_path=binary, data_converter=pydantic_data_converter
+                test_server_existing_path=binary, data_converter=DATA_CONVERTER
             )
             stack.push_async_callback(env.shutdown)
             client = env.client
@@ -655,7 +655,7 @@ async def gate_determinism(s: Stack) -> dict[str, Any]:
     await handle.result()
     ids = [handle.id] + [w.id async for w in s.client.list_workflows(f'WorkflowId STARTS_WITH "{handle.id}/"')]
     replayer = Replayer(
-        workflows=[SessionWorkflow, CompactionWorkflow, ChildRunWorkflow], data_converter=pydantic_data_converter
+        workflows=[SessionWorkflow, CompactionWorkflow, ChildRunWorkflow], data_converter=DATA_CONVERTER
     )
     replayed = failures = 0
     for wid in ids:

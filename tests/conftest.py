@@ -36,8 +36,8 @@ import asyncpg
 import pytest
 import pytest_asyncio
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
+from contract.converter import DATA_CONVERTER
 from services.embedded import (
     ENV_DATABASE_URL,
     ENV_TEMPORAL_ADDRESS,
@@ -168,9 +168,7 @@ async def temporal_address(ctxengine_test_home: Path) -> AsyncIterator[str]:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def temporal_client(temporal_address: str) -> Client:
     """A client of the session's Temporal in TEMPORAL_NAMESPACE, with the pydantic data converter."""
-    return await Client.connect(
-        temporal_address, namespace=temporal_namespace(), data_converter=pydantic_data_converter
-    )
+    return await Client.connect(temporal_address, namespace=temporal_namespace(), data_converter=DATA_CONVERTER)
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ with workflow.unsafe.imports_passed_through():
     import pytest
     from temporalio.api.enums.v1 import EventType
     from temporalio.client import Client, WorkflowHandle, WorkflowHistory
-    from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.worker import Replayer
 
     from contract import names
+    from contract.converter import DATA_CONVERTER
     from contract.payloads import (
         CloseSession,
         EventInput,
@@ -60,7 +60,7 @@ def _history(path: Path) -> WorkflowHistory:
 
 
 def replayer(*workflows: type) -> Replayer:
-    return Replayer(workflows=list(workflows) or [SessionWorkflow], data_converter=pydantic_data_converter)
+    return Replayer(workflows=list(workflows) or [SessionWorkflow], data_converter=DATA_CONVERTER)
 
 
 # --------------------------------------------------------------------------------------------- scenarios

@@ -167,6 +167,12 @@ async def test_unknown_session_and_oversized_input(temporal_client: Client, pg_d
         with pytest.raises(WorkflowUpdateFailedError) as info:
             await handle.execute_update(names.UPDATE_SUBMIT_TURN, {"txt": "typo"})
         assert "text" in str(info.value.cause.__cause__ or info.value.cause)
+        # Input that does not decode is typed and non-retryable too: the same input gets the same answer.
+        for bad in ({"txt": "typo"}, {"text": ""}):
+            with pytest.raises(WorkflowUpdateFailedError) as info:
+                await handle.execute_update(names.UPDATE_SUBMIT_TURN, bad)
+            cause = info.value.cause
+            assert isinstance(cause, ApplicationError) and cause.type == "ValidationError" and cause.non_retryable
         assert [r.payload["id"] for r in await store.load_items(handle.id)] == before
         assert (await turn(handle, "still usable")).turn == 2
 

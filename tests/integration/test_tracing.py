@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
+
+from contract.converter import DATA_CONVERTER
 
 pytest.importorskip("opentelemetry.sdk", reason="the `otel` extra is not installed")
 
@@ -52,7 +53,7 @@ async def test_one_trace_per_turn(temporal_address: str, pg_dsn: str, task_queue
     client = await Client.connect(
         temporal_address,
         namespace=temporal_namespace(),
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
         interceptors=[interceptor],
     )
     async with stack(client, pg_dsn, task_queue):

@@ -13,7 +13,6 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import CommandType
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import (
     ActivitySerializationContext,
     PayloadCodec,
@@ -28,6 +27,7 @@ from temporalio.worker.workflow_sandbox._runner import _Instance as SandboxedIns
 from temporalio.workflow import _Definition
 
 from contract import names
+from contract.converter import DATA_CONVERTER
 from tests.integration.session_helpers import stack, start, turn
 from worker import DirectLookups, SandboxedRunner
 from workflows.session import SessionWorkflow
@@ -87,7 +87,7 @@ async def _contexts(client: Client, dsn: str, task_queue: str, runner: WorkflowR
     worker and the client. How many workflow tasks a session takes depends on timing; what each payload is coded
     with does not."""
     seen: dict[bytes, set[Seen]] = {}
-    converter = dataclasses.replace(pydantic_data_converter, payload_codec=RecordingCodec(seen))
+    converter = dataclasses.replace(DATA_CONVERTER, payload_codec=RecordingCodec(seen))
     config = client.config()
     config["data_converter"] = converter
     recording = Client(**config)
