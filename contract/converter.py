@@ -1,9 +1,11 @@
 """The data converter of every ctxengine client and worker (docs/contract.md, "Error types").
 
-Temporal's pydantic converter, with one change to how failures are written: an input that does not validate (a
-pydantic `ValidationError`: an update's arguments that do not decode, a start input that is not a `SessionOpen`) is
-a non-retryable `ApplicationError`, as the validators' own refusals are. The same input gets the same answer, so a
-caller that honours `non_retryable` does not send it again.
+Temporal's pydantic converter, with one change to how failures are written: a pydantic `ValidationError` is a
+non-retryable `ApplicationError`, as the validators' own refusals are. A session workflow fails an update or its
+run with one when the update's arguments or the start input do not validate, or when a value the workflow builds
+does not (`failure_exception_types`); on the same code, the same input gets the same answer, so a caller that
+honours `non_retryable` does not send it again. Activities are unaffected: their failures are classified by
+`activities/failures.py`.
 """
 
 from __future__ import annotations

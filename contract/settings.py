@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from contract.names import TASK_QUEUE
 
@@ -19,7 +20,7 @@ from contract.names import TASK_QUEUE
 class Settings(BaseSettings):
     """The process's configuration. Field aliases are the variable names (no prefix magic), and only they are
     read: a field's own name is not a variable (`HOME`, `DATABASE_URL` and `TASK_QUEUE` belong to the shell and to
-    other programs, and `populate_by_name` would read them as `home`, `database_url` and `task_queue`)."""
+    other programs)."""
 
     model_config = SettingsConfigDict(frozen=True, extra="ignore")
 
@@ -75,6 +76,21 @@ def _host_port(value: str) -> None:
         raise ValueError(f"{value!r} is not host:port")
 
 
+class _GivenSettings(Settings):
+    """Settings from a mapping of variable names alone: nothing is read from the process's environment."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 class SettingsError(ValueError):
     """An environment variable that does not validate; the message names it."""
 
@@ -82,8 +98,9 @@ class SettingsError(ValueError):
 def settings(env: Mapping[str, str] | None = None) -> Settings:
     """The configuration as the environment says now (read at each call: tests and the CLI set variables),
     or as `env` says (a mapping of variable names, nothing read from the process)."""
+    given: dict[str, Any] = dict(env or {})  # variable names, not the initialiser's keyword arguments
     try:
-        return Settings() if env is None else Settings.model_validate(dict(env))
+        return Settings() if env is None else _GivenSettings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
         name = ".".join(str(p) for p in first["loc"])

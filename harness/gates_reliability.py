@@ -561,7 +561,10 @@ async def gate_inputs(
             h = await _start(
                 client,
                 task_queue,
-                _open(timeouts=ActivityTimeouts(model_seconds=20), memory_scope=f"gate-{uuid.uuid4().hex[:8]}"),
+                _open(
+                    timeouts=ActivityTimeouts(model_seconds=20),
+                    memory_scope=f"{GATE_MEMORY_SCOPE}-{uuid.uuid4().hex[:8]}",
+                ),
                 "inputs",
             )
             await asyncio.wait_for(_normal_turn(h), timeout=profile.bound_s)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import faulthandler
 import functools
 import re
+import subprocess
 import sys
+import time
 import unicodedata
-from collections.abc import Iterator
 
 import pytest
 from confusable_homoglyphs.confusables import confusables_data
@@ -369,8 +369,8 @@ class TestFidelity:
         assert (escaped.count("<"), escaped.count(">")) == (code.count("<"), code.count(">"))
 
 
-# Untrusted text whose runs cost a backtracking regex one attempt per character of the run: quadratic time, about
-# a minute for 80,000 characters before the runs were made possessive. A page of them stalled a build.
+# Long runs in untrusted text. A backtracking pattern tries a run from each of its characters, or each split of it
+# between two runs, so its time grows with the square of the run's length.
 LONG_RUNS = {
     "backslashes": "\\" * 1_000_000 + "x",
     "backslashes before u{": "\\" * 1_000_000 + "u{41}",
@@ -378,12 +378,14 @@ LONG_RUNS = {
     "role word, tabs": "AI" + "\t" * 1_000_000,
     "role word, blanks after a line": "note\n> user" + " " * 1_000_000 + "*x",
 }
-# The same rules with backtracking runs: the fault the possessive runs remove, injected into a copy of the module.
+# The fault `TestLongRuns` injects into a copy of core/rendering.py: each run pattern as written there, and its
+# backtracking form.
 _BACKTRACKING = {
     "{_HSPACE}*+[*_]*+{_HSPACE}*+": "{_HSPACE}*[*_]*{_HSPACE}*",
     "(?<!{_LITERAL_BACKSLASH}){_LITERAL_BACKSLASH}++": "{_LITERAL_BACKSLASH}+",
+    r"(?<!\\)(\\++)u\{": r"(\\+)u\{",
 }
-_ESCAPE_IN_CHILD = """
+_CALL_IN_CHILD = """
 import types
 from pathlib import Path
 import core.rendering as rendering
@@ -393,56 +395,48 @@ for old, new in {faults!r}.items():
     source = source.replace(old, new)
 module = types.ModuleType("rendering_under_test")
 exec(compile(source, rendering.__file__, "exec"), module.__dict__)
-module.escape_content({text})
+module.{function}({text})
 """
 
 
-def _escaped_within(texts: dict[str, tuple[str, dict[str, str]]], seconds: float) -> dict[str, bool]:
-    """For each name, whether a child process escapes the text (a Python expression: a long literal would
-    exceed the kernel's limit on one argument) within `seconds`, with the faults given injected into the rules.
-    The children run side by side."""
-    import subprocess
-    import time
-
+def _finished_within(calls: dict[str, tuple[str, str]], faults: dict[str, str], seconds: float) -> dict[str, bool]:
+    """For each name, whether a child process, with `faults` injected into the rules, runs `function(text)` within
+    `seconds`; the children run side by side. `text` is a Python expression: a long literal would exceed the
+    kernel's limit on the length of one argument."""
     children = {
         name: subprocess.Popen(
-            [sys.executable, "-c", _ESCAPE_IN_CHILD.format(faults=faults, text=text)],
+            [sys.executable, "-c", _CALL_IN_CHILD.format(faults=faults, function=function, text=text)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        for name, (text, faults) in texts.items()
+        for name, (function, text) in calls.items()
     }
     deadline = time.monotonic() + seconds
     finished: dict[str, bool] = {}
-    for name, child in children.items():
-        try:
-            _, err = child.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    try:
+        for name, child in children.items():
+            try:
+                _, err = child.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                finished[name] = False
+            else:
+                assert child.returncode == 0, err.decode()
+                finished[name] = True
+    finally:
+        for child in children.values():
             child.kill()
             child.communicate()
-            finished[name] = False
-        else:
-            assert child.returncode == 0, err.decode()
-            finished[name] = True
     return finished
 
 
 class TestLongRuns:
     """`escape_content` is linear (docs/rendering-contract.md, "Cost"): a long run costs one pass."""
 
-    @pytest.fixture
-    def hang_guard(self) -> Iterator[None]:
-        """Ends the process, with every thread's stack, if a test runs past a minute: a regex stuck in C holds
-        the GIL, so neither of pytest-timeout's methods could stop it, and the suite would hang, not fail."""
-        faulthandler.dump_traceback_later(60, exit=True)
-        yield
-        faulthandler.cancel_dump_traceback_later()
-
-    @pytest.mark.usefixtures("hang_guard")
+    @pytest.mark.timeout(60)  # re checks for signals as it runs, so the alarm stops a pattern that backtracks
     @pytest.mark.parametrize("name", sorted(LONG_RUNS))
     def test_a_million_character_run_escapes_and_round_trips(self, name: str) -> None:
-        """A run of 1,000,000 characters escapes, round-trips and renders as an attribute value (within the
-        guard's minute; about a millisecond on the development machine)."""
+        """A run of 1,000,000 characters escapes, round-trips and renders as an attribute value (about a
+        millisecond on the development machine; a backtracking pattern would take hours)."""
         text = LONG_RUNS[name]
         escaped = escape_content(text)
         assert unescape_content(escaped) == text
@@ -450,18 +444,19 @@ class TestLongRuns:
         assert envelope.source == text
 
     def test_backtracking_runs_would_not_finish(self) -> None:
-        """Negative: with the runs made backtracking again, 200,000 characters of either shape do not escape in
-        10 s, while the real rules escape both shapes at a million characters each in the same 10 s, side by side."""
-        both = "'\\\\' * 1_000_000 + 'x\\nSystem' + ' ' * 1_000_000 + 'x'"
-        finished = _escaped_within(
-            {
-                "real rules": (both, {}),
-                "backslashes": ("'\\\\' * 200_000 + 'x'", _BACKTRACKING),
-                "role word, blanks": ("'System' + ' ' * 200_000 + 'x'", _BACKTRACKING),
-            },
-            10,
-        )
-        assert finished == {"real rules": True, "backslashes": False, "role word, blanks": False}
+        """Negative: the real rules escape and unescape runs of a million characters within 10 s; with the runs
+        made backtracking, 100,000 characters of each shape do not escape (or unescape) within 5 s."""
+        real = {
+            "escape": ("escape_content", "'\\\\' * 1_000_000 + 'x\\nSystem' + ' ' * 1_000_000 + 'x'"),
+            "unescape": ("unescape_content", "'\\\\' * 1_000_000 + 'x'"),
+        }
+        assert _finished_within(real, {}, 10) == {"escape": True, "unescape": True}
+        faulty = {
+            "escape, backslashes": ("escape_content", "'\\\\' * 100_000 + 'x'"),
+            "escape, role word and blanks": ("escape_content", "'System' + ' ' * 100_000 + 'x'"),
+            "unescape, backslashes": ("unescape_content", "'\\\\' * 100_000 + 'x'"),
+        }
+        assert not any(_finished_within(faulty, _BACKTRACKING, 5).values())
 
 
 class TestAttackCorpus:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,14 +58,20 @@ _OTHER_PROGRAMS = {
 
 def test_only_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """A field's own name is not a variable: `HOME` is not ctxengine's home, nor `DATABASE_URL` its database."""
-    for variable in ("CTXENGINE_HOME", "CTXENGINE_DATABASE_URL", "CTXENGINE_TASK_QUEUE", "CTXENGINE_METRICS_ADDRESS"):
+    for variable in (
+        "CTXENGINE_HOME",
+        "CTXENGINE_DATABASE_URL",
+        "CTXENGINE_TASK_QUEUE",
+        "CTXENGINE_METRICS_ADDRESS",
+        "CTXENGINE_EAGER_ACTIVITIES",
+    ):
         monkeypatch.delenv(variable, raising=False)
     for variable, value in _OTHER_PROGRAMS.items():
         monkeypatch.setenv(variable, value)
     read = settings()
     assert (str(read.home), read.database_url, read.metrics_address) == (".ctxengine", None, "")
     assert read.task_queue != "their-queue" and read.eager_activities is True
-    assert settings(_OTHER_PROGRAMS) == settings({})
+    assert settings(_OTHER_PROGRAMS) == settings({})  # a mapping alone: nothing read from the process
 
 
 def test_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,10 +96,11 @@ def test_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_every_command_exits_2_naming_a_malformed_variable(command: list[str], variable: str, value: str) -> None:
-    """The console script, not only `ctxengine worker`: exit 2 and one line naming the variable, no traceback."""
-    env = {**os.environ, variable: value}
+    """The installed console script, not only `ctxengine worker`: exit 2 and one line naming the variable, no
+    traceback."""
+    script = Path(sys.executable).with_name("ctxengine")  # `make` installs the project into the venv
     done = subprocess.run(
-        [sys.executable, "-m", "ctxengine.cli", *command], env=env, capture_output=True, text=True, timeout=120
+        [str(script), *command], env={**os.environ, variable: value}, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2, done.stderr
     assert f"environment variable {variable}:" in done.stderr and "Traceback" not in done.stderr
