@@ -207,20 +207,24 @@ class Session:
         """Send one turn. The idempotency key is the update id: a retry with the same key returns the first
         result and appends nothing, within a run and across continue-as-new (the last 32 turns' results)."""
         key = idempotency_key or str(uuid.uuid4())
-        return await self._update(names.UPDATE_SUBMIT_TURN, TurnInput(text=text), TurnResult, key)
+        return await self._update(names.UPDATE_SUBMIT_TURN, _validated(TurnInput, {"text": text}), TurnResult, key)
 
     async def revoke_tool(self, name: str, reason: str = "revoked by operator") -> SessionState:
-        return await self._update(names.UPDATE_REVOKE_TOOL, RevokeTool(name=name, reason=reason), SessionState)
+        return await self._update(
+            names.UPDATE_REVOKE_TOOL, _validated(RevokeTool, {"name": name, "reason": reason}), SessionState
+        )
 
     async def grant_tool(self, name: str, reason: str = "granted by operator") -> SessionState:
         """Re-grant a revoked tool or grant a pinned one the open left out; the prefix is untouched."""
-        return await self._update(names.UPDATE_GRANT_TOOL, GrantTool(name=name, reason=reason), SessionState)
+        return await self._update(
+            names.UPDATE_GRANT_TOOL, _validated(GrantTool, {"name": name, "reason": reason}), SessionState
+        )
 
     async def rotate_epoch(
         self, reason: str, *, model_route: ModelRoute | None = None, revoke_tools: list[str] | None = None
     ) -> SessionState:
-        req = RotateEpoch.model_validate(
-            {"reason": reason, "model_route": model_route, "revoke_tools": revoke_tools or []}
+        req = _validated(
+            RotateEpoch, {"reason": reason, "model_route": model_route, "revoke_tools": revoke_tools or []}
         )
         return await self._update(names.UPDATE_ROTATE_EPOCH, req, SessionState)
 
@@ -232,12 +236,14 @@ class Session:
         corrects: str | None = None,
         idempotency_key: str | None = None,
     ) -> MemoryResult:
-        req = WriteMemory(text=text, memory_id=memory_id, corrects=corrects)
+        req = _validated(WriteMemory, {"text": text, "memory_id": memory_id, "corrects": corrects})
         return await self._update(names.UPDATE_WRITE_MEMORY, req, MemoryResult, idempotency_key)
 
     async def delete_memory(self, memory_id: str, *, reason: str = "withdrawn by the user") -> MemoryDeleted:
         return await self._update(
-            names.UPDATE_DELETE_MEMORY, DeleteMemory(memory_id=memory_id, reason=reason), MemoryDeleted
+            names.UPDATE_DELETE_MEMORY,
+            _validated(DeleteMemory, {"memory_id": memory_id, "reason": reason}),
+            MemoryDeleted,
         )
 
     async def update_working_state(
@@ -248,7 +254,9 @@ class Session:
         return await self._update(names.UPDATE_WORKING_STATE, req, WorkingStateResult, idempotency_key)
 
     async def close(self, reason: str = "closed by caller") -> SessionState:
-        return await self._update(names.UPDATE_CLOSE_SESSION, CloseSession(reason=reason), SessionState)
+        return await self._update(
+            names.UPDATE_CLOSE_SESSION, _validated(CloseSession, {"reason": reason}), SessionState
+        )
 
     async def state(self) -> SessionState:
         try:
@@ -415,6 +423,8 @@ async def connect(
 
 
 def _validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """`model` from `data`, or ValidationFailed naming the field: input the workflow would refuse is refused
+    here, with the error the workflow's refusal maps to (docs/contract.md, "Error types")."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

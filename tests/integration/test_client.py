@@ -361,3 +361,29 @@ async def test_list_sessions_by_search_attributes(temporal_client: Client, pg_ds
         assert s.session_id in await listed(status="completed")
         with pytest.raises(SessionNotOpen):
             await s.submit_turn("anyone there?")
+
+
+async def test_input_the_session_would_refuse_is_refused_typed(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Input that does not validate raises ValidationFailed naming what is wrong, whether the client refuses it
+    before sending (a field that does not validate) or the session does (a tool it does not have); the session is
+    unchanged."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        s = await ctx.start_session(session_open())
+        await s.submit_turn("hello")
+        before = await s.state()
+        bad: list[tuple[str, Any]] = [
+            ("text", s.submit_turn("")),
+            ("text", s.submit_turn("a\x00b")),
+            ("text", s.submit_turn(123)),  # type: ignore[arg-type]
+            ("reason", s.rotate_epoch("bogus")),
+            ("not in this session's tool set", s.revoke_tool("")),
+            ("text", s.write_memory("")),
+        ]
+        for field, call in bad:
+            with pytest.raises(ValidationFailed, match=field):
+                await call
+        after = await s.state()
+        assert (after.turns, after.epoch, after.revoked_tools) == (before.turns, before.epoch, before.revoked_tools)
