@@ -98,9 +98,11 @@ class SettingsError(ValueError):
 def settings(env: Mapping[str, str] | None = None) -> Settings:
     """The configuration as the environment says now (read at each call: tests and the CLI set variables),
     or as `env` says (a mapping of variable names, nothing read from the process)."""
-    given: dict[str, Any] = dict(env or {})  # variable names, not the initialiser's keyword arguments
     try:
-        return Settings() if env is None else _GivenSettings(**given)
+        if env is None:
+            return Settings()
+        given: dict[str, Any] = dict(env)  # variable names, not the initialiser's keyword arguments
+        return _GivenSettings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
         name = ".".join(str(p) for p in first["loc"])
