@@ -21,7 +21,7 @@ from contract.activity_interfaces import SessionLifecycleCalls
 from contract.events import EventType
 from contract.payloads import CloseInput, OpenInput, OpenResult, SealTurnInput
 from core.build import FrozenPrefix, open_prefix, operator_tool, region_a_inputs
-from core.errors import PrefixOverflowError
+from core.errors import PrefixOverflowError, RouteDoesNotFitError
 from core.estimator import TokenEstimator
 from core.items import MemorySnapshotEntry, TrustLevel
 
@@ -121,8 +121,12 @@ class LifecycleActivities(SessionLifecycleCalls):
             ) from exc
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
-        if inp.epoch > 1:
+        try:
             await check_route_fits(state, inp, prefix, estimator, budget, secret)
+        except RouteDoesNotFitError as exc:
+            if inp.epoch == 1:
+                await state.event(inp.session_id, "open_failed:1", EventType.SESSION_OPEN_FAILED, 0, 1, exc.details())
+            raise ApplicationError(str(exc), exc.details(), type=exc.error_type, non_retryable=True) from exc
         await store.put_prefix(
             inp.session_id,
             inp.epoch,

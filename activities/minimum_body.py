@@ -1,7 +1,8 @@
 """Whether the smallest request a turn can make fits beside a prefix: a message, the working state, the
-corrections and the clock. Checked before a rotation to another model route (else the rotation is refused,
-RotationRefused). A turn's own message is checked by its first build, before the message is logged (the build
-raises TurnTooLargeError; `turn_too_large` makes it the turn's typed failure).
+corrections and the clock. Checked when a session opens (else it fails at open, RouteDoesNotFit: no turn could
+ever be answered) and before an epoch rotation applies (else the rotation is refused, RotationRefused). A turn's
+own message is checked by its first build, before the message is logged (the build raises TurnTooLargeError;
+`turn_too_large` makes it the turn's typed failure).
 """
 
 from __future__ import annotations
@@ -36,18 +37,25 @@ async def check_route_fits(
     budget: ContextBudget,
     secret: bytes,
 ) -> None:
-    """A rotation to another model route: the minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the
-    working state, corrections, the clock) must fit under the new route's estimate, or it is refused."""
-    previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
-    if previous is None or ModelProfile.model_validate(previous.profile).route == estimator.profile.route:
-        return
+    """The minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the working state, corrections, the clock) must
+    fit beside `prefix` under this route's estimate and budget, or RouteDoesNotFitError is raised: at open (epoch 1)
+    the session could never answer a turn and fails (RouteDoesNotFit); a rotation is refused and the old epoch stays
+    (RotationRefused). Not checked: a rotation on the same route whose prefix is no larger than the old epoch's (a
+    forced revocation, say), which can only make room; refusing it would keep a tool the operator removed."""
+    if inp.epoch > 1:
+        previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
+        if (
+            previous is not None
+            and ModelProfile.model_validate(previous.profile).route == estimator.profile.route
+            and FrozenPrefix.model_validate(previous.prefix).raw_tokens >= prefix.raw_tokens
+        ):
+            return
     try:
         await _build_minimum(state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret)
     except TurnTooLargeError as exc:
-        refused = RouteDoesNotFitError(
-            estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit
-        )
-        raise ApplicationError(str(refused), refused.details(), type="RotationRefused", non_retryable=True) from exc
+        raise RouteDoesNotFitError(
+            estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit, at_open=inp.epoch == 1
+        ) from exc
 
 
 async def working_state_cap(

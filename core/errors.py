@@ -114,16 +114,26 @@ class TurnTooLargeError(NonYieldableOverflowError):
 
 
 class RouteDoesNotFitError(ContextError):
-    """A rotation to a route under which the minimum body no longer fits: refused, the old epoch stays."""
+    """A route under which the minimum body does not fit beside the prefix: at open the session fails (no turn
+    could ever be answered), at a rotation the rotation is refused and the old epoch stays."""
 
-    def __init__(self, route: str, prefix_tokens: int, minimum_body_tokens: int, input_limit: int) -> None:
+    def __init__(
+        self, route: str, prefix_tokens: int, minimum_body_tokens: int, input_limit: int, *, at_open: bool = False
+    ) -> None:
         self.route = route
         self.prefix_tokens = prefix_tokens
         self.minimum_body_tokens = minimum_body_tokens
         self.input_limit = input_limit
+        self.error_type = "RouteDoesNotFit" if at_open else "RotationRefused"
+        sizes = (
+            f"its prefix estimate ({prefix_tokens:,} tokens) and the minimum body ({minimum_body_tokens:,}) exceed "
+            f"its {input_limit:,}-token input limit"
+        )
         super().__init__(
-            f"rotation to {route} refused: its prefix estimate ({prefix_tokens:,} tokens) and the minimum body "
-            f"({minimum_body_tokens:,}) exceed its {input_limit:,}-token input limit; the old epoch stays"
+            f"session cannot open on {route}: {sizes}, so no turn could be answered; open it on a route with a "
+            "larger window, or with a smaller prefix"
+            if at_open
+            else f"rotation to {route} refused: {sizes}; the old epoch stays"
         )
 
     def details(self) -> dict[str, object]:

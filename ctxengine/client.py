@@ -96,6 +96,11 @@ class PrefixOverflow(CtxEngineError):
     """A prefix class exceeds its ceiling: the session cannot open (or an epoch cannot rotate)."""
 
 
+class RouteDoesNotFit(CtxEngineError):
+    """The route's window leaves no room for a turn beside the prefix: the session cannot open on it
+    (`RouteDoesNotFit`), or a rotation to it is refused and the old epoch stays (`RotationRefused`)."""
+
+
 class ToolNotPinned(CtxEngineError):
     """The tool is not in the pinned tool set: adding it needs an epoch rotation."""
 
@@ -122,6 +127,8 @@ ERROR_TYPES: dict[str, type[CtxEngineError]] = {
     "UnknownSession": UnknownSession,
     "TurnTooLarge": TurnTooLarge,
     "PrefixOverflowError": PrefixOverflow,
+    "RouteDoesNotFit": RouteDoesNotFit,
+    "RotationRefused": RouteDoesNotFit,
     "ToolNotPinned": ToolNotPinned,
     "WorkingStateCapError": WorkingStateRejected,
     "WorkingStateError": WorkingStateRejected,

@@ -3,12 +3,14 @@ fits or fails alone"): each failed before yields reached inside the active turn 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from contract import names
-from contract.payloads import ModelRoute, RotateEpoch
+from contract.payloads import ModelRoute, RotateEpoch, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -89,3 +91,67 @@ async def test_the_working_state_leaves_room_for_a_turn(temporal_client: Client,
         answered = await turn(handle, "word " * 256)
         assert answered.plan.status.value == "fits"
         assert answered.plan.tokens_by_class["working_state"] <= cap
+
+
+async def test_a_session_whose_prefix_leaves_no_room_for_a_turn_fails_at_open(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Agent instructions under their 4,000-token cap on a 4,096-token route (reserve 256): every class fits its
+    cap, but no turn could ever fit beside the prefix. The session fails at open, typed RouteDoesNotFit with the
+    sizes, and the event is stored; before, it opened and every turn, even "hi", failed with TurnTooLarge."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(
+            temporal_client,
+            task_queue,
+            session_open(
+                agent_instructions="rule " * 3_300,
+                model_route={"provider": "scripted", "model": "scripted-1", "context_window": 4_096},
+                budget={"output_reserve": 256},
+            ),
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(handle.result(), timeout=60)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "RouteDoesNotFit", cause
+        assert "no turn could be answered" in cause.message
+        sizes = cause.details[0]
+        assert sizes["prefix_tokens"] + sizes["minimum_body_tokens"] > sizes["input_limit"] == 4_096 - 256
+        events = await store.events(handle.id)
+        assert [e.payload for e in events if e.type == "context.session.open_failed"] == [sizes]
+
+
+async def test_a_same_route_rotation_is_checked_when_its_prefix_grows(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A rotation on the same route takes a fresh memory snapshot: when the snapshot grows the prefix past what
+    leaves room for a turn, the rotation is refused (RotationRefused) and the old epoch stays; before, only a
+    change of route was checked, and the session was left where no turn fits. A rotation whose prefix does not
+    grow (a forced revocation) is not checked."""
+    scope = f"grow-{task_queue}"
+    route = {"provider": "scripted", "model": "scripted-1", "context_window": 3_200}
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(
+            temporal_client,
+            task_queue,
+            session_open(
+                agent_instructions="rule " * 600, model_route=route, budget={"output_reserve": 256}, memory_scope=scope
+            ),
+        )
+        await turn(handle, "hello")
+        revoked = await handle.execute_update(
+            names.UPDATE_ROTATE_EPOCH,
+            RotateEpoch(reason="forced_revocation", revoke_tools=["notes.save"]),
+            result_type=SessionState,
+        )
+        assert revoked.epoch == 2
+        for i in range(12):  # about 1,000 tokens of memories for the next snapshot
+            await handle.execute_update(
+                names.UPDATE_WRITE_MEMORY, WriteMemory(memory_id=f"m{i}", text=f"memory {i}: " + "fact " * 80)
+            )
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="provider_routing_changed"))
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "RotationRefused", cause
+        assert (await handle.query(names.QUERY_STATE, result_type=SessionState)).epoch == 2
+        answered = await turn(handle, "still answered")
+        assert answered.epoch == 2

@@ -8,6 +8,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, RetryState, W
 from ctxengine.client import (
     CtxEngineError,
     PrefixOverflow,
+    RouteDoesNotFit,
     SessionIdTaken,
     SessionNotOpen,
     ToolNotPinned,
@@ -24,6 +25,8 @@ from ctxengine.client import (
         ("TurnTooLarge", TurnTooLarge),
         ("SessionNotOpen", SessionNotOpen),
         ("PrefixOverflowError", PrefixOverflow),
+        ("RouteDoesNotFit", RouteDoesNotFit),
+        ("RotationRefused", RouteDoesNotFit),
         ("SessionIdTaken", SessionIdTaken),
         ("ToolNotPinned", ToolNotPinned),
         ("WorkingStateCapError", WorkingStateRejected),
