@@ -195,7 +195,10 @@ def gate(
 @app.command()
 def validate(
     configs: Annotated[list[Path], typer.Argument(help="SessionOpen files (JSON or YAML).")],
-    model: Annotated[list[str], typer.Option("--model", help="Route provider/model; repeat for several.")] = [],  # noqa: B006 - typer reads the default
+    model: Annotated[
+        list[str],
+        typer.Option("--model", help="Route provider/model; repeat for several. Default: each config's own route."),
+    ] = [],  # noqa: B006 - typer reads the default
     message_tokens: Annotated[
         int, typer.Option("--message-tokens", min=1, help="Message size the floor is computed for.")
     ] = 500,
@@ -204,11 +207,12 @@ def validate(
     ] = 4,
     as_json: JsonFlag = False,
 ) -> None:
-    """Check agent configurations against every route before deployment: exit 0 fits, 1 over a cap, 2 invalid.
+    """Check agent configurations against every route before deployment: exit 0 fits, 1 a class over its cap or
+    a window below the floor, 2 invalid.
 
-    Also prints each route's floor: the smallest context window that takes a turn of that message size and
-    that many tool results."""
-    from ctxengine.operator_tools import offending_lines, validate_files
+    The floor is the smallest context window that takes a turn of that message size and that many tool results;
+    each route's window (its own, lowered by the config's `budget.context_window`) must reach it."""
+    from ctxengine.operator_tools import floor_lines, offending_lines, validate_files
 
     code, report = validate_files(configs, model, message_tokens=message_tokens, tool_results=tool_results)
     if as_json:
@@ -219,7 +223,9 @@ def validate(
         console = Console()
         for cfg in report["configs"]:
             for r in cfg["routes"]:
-                table = Table(title=f"{cfg['config']} on {r['route']}: {'fits' if r['fits'] else 'OVER A CAP'}")
+                # A class over its cap leaves no floor to compare, so at most one of the two fails.
+                failed = "OVER A CAP" if r["offending"] else "WINDOW BELOW FLOOR" if r["window_below_floor"] else ""
+                table = Table(title=f"{cfg['config']} on {r['route']}: {failed or 'fits'}")
                 for col in ("class", "tokens", "cap", "headroom", "count"):
                     table.add_column(col, justify="left" if col == "class" else "right")
                 for name, row in r["classes"].items():
@@ -228,14 +234,16 @@ def validate(
                 console.print(table)
                 for w in r["warnings"]:
                     console.print(f"[yellow]warning:[/yellow] {w}")
-                if r.get("min_context_window"):
+                if (floor := r["min_context_window"]) is not None and floor > 0:
                     f = r["floor_for"]
                     console.print(
                         f"floor: a {f['message_tokens']:,}-token message with {f['tool_results']} tool results "
-                        f"needs a context window of at least {r['min_context_window']:,} tokens"
+                        f"needs a context window of at least {floor:,} tokens (this route's: {r['context_window']:,})"
                     )
         for line in offending_lines(report):
             typer.echo(f"over cap: {line}", err=True)
+        for line in floor_lines(report):
+            typer.echo(f"window below floor: {line}", err=True)
     raise typer.Exit(code)
 
 

@@ -15,7 +15,7 @@ from contract.payloads import ModelRoute, SessionOpen
 from core.budget import ContextBudget
 from core.build import BodyInputs, build, open_prefix, operator_tool, operator_tool_count, region_a_inputs
 from core.errors import TurnTooLargeError
-from core.estimator import DEFAULT_PROFILES, TokenEstimator
+from core.estimator import DEFAULT_PROFILES, ModelProfile, TokenEstimator
 from core.items import (
     BudgetClass,
     CurrentUserMessage,
@@ -28,6 +28,7 @@ from core.items import (
 from core.plan import PlanStatus
 
 _VALIDATE_SECRET = b"ctxengine-validate"  # nonces have a fixed length, so any secret measures the same
+FLOOR_SEARCH_LIMIT = 1 << 24  # the largest window the floor is looked for up to; beyond it the floor is -1
 
 
 class ConfigError(ValueError):
@@ -64,9 +65,10 @@ def load_config(path: Path) -> SessionOpen:
 def validate_config(
     open_: SessionOpen, route: ModelRoute, counter_for: Any, *, message_tokens: int = 500, tool_results: int = 4
 ) -> dict[str, Any]:
-    """Measure each Region A class with the route's estimator: tokens, cap, headroom; tools also by count."""
+    """Measure each Region A class with the route's estimator (tokens, cap, headroom; tools also by count), then
+    the floor, against the window a session of this configuration would have on the route."""
     profile = route.profile()
-    budget = open_.context_budget()
+    budget = route_budget(open_, profile)
     estimator = TokenEstimator(profile, counter_for(profile.encoding))
     inputs = region_a_inputs(  # the same Region A a session open assembles
         platform_policy=open_.platform_policy,
@@ -105,25 +107,40 @@ def validate_config(
             f"prefix is {prefix_tokens:,} tokens, below {profile.route}'s minimum cacheable length of "
             f"{profile.min_cacheable_tokens:,}: it will not be cached at all"
         )
+    floor = None if offending else min_window(budget, prefix, estimator, message_tokens, tool_results)
+    below_floor = floor is not None and not 0 < floor <= budget.context_window
     return {
         "route": profile.route,
-        "fits": not offending,
+        "fits": not offending and not below_floor,
         "offending": sorted(set(offending)),
+        "context_window": budget.context_window,
+        "window_below_floor": below_floor,
         "prefix_tokens": prefix_tokens,
         "classes": classes,
         "warnings": warnings,
-        "min_context_window": min_window(open_, route, prefix, estimator, message_tokens, tool_results)
-        if not offending
-        else None,
+        "min_context_window": floor,
         "floor_for": {"message_tokens": message_tokens, "tool_results": tool_results},
     }
 
 
-def _takes_turn(open_: SessionOpen, prefix: Any, estimator: TokenEstimator, window: int, message: str, n: int) -> bool:
-    """Whether a turn fits at `window`: the first request (the message) and the one after its n tool results."""
-    budget = ContextBudget.model_validate(
-        {**open_.context_budget(estimator.profile).model_dump(), "context_window": window}
-    )
+def route_budget(open_: SessionOpen, profile: ModelProfile) -> ContextBudget:
+    """The budget a session of this configuration would have on the route: the route's window (lowered by a
+    `budget.context_window` override), the other overrides on top, as `SessionOpen.context_budget` gives it."""
+    try:
+        return open_.context_budget(profile)
+    except ValidationError:
+        # The output reserve takes the route's whole window. Only the window differs from the configuration's own
+        # (valid) budget, and here it is the route's own (an override below it would have been below the reserve
+        # too): keep that budget unvalidated, so the floor, above the reserve, reports the window as too small.
+        return open_.context_budget().model_copy(update={"context_window": profile.context_window})
+
+
+def _takes_turn(
+    budget: ContextBudget, prefix: Any, estimator: TokenEstimator, window: int, message: str, n: int
+) -> bool:
+    """Whether a turn fits at `window` under the route's `budget`: the first request (the message) and the one
+    after its n tool results."""
+    budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window})
     pairs: list[HistoryItem] = []
     for i in range(n):
         pairs.append(ToolCall(id=f"c{i}", seq=2 + 2 * i, call_id=f"v{i}", tool_name="tool", arguments={"q": "x" * 40}))
@@ -140,21 +157,19 @@ def _takes_turn(open_: SessionOpen, prefix: Any, estimator: TokenEstimator, wind
     return all(p.status is PlanStatus.FITS for p in plans)
 
 
-def min_window(
-    open_: SessionOpen, route: ModelRoute, prefix: Any, estimator: TokenEstimator, message_tokens: int, n: int
-) -> int:
-    """The smallest context window at which this configuration takes a turn with a message of `message_tokens`
-    tokens and `n` tool results (its output reserve included), by bisection: a larger window never fits less."""
+def min_window(budget: ContextBudget, prefix: Any, estimator: TokenEstimator, message_tokens: int, n: int) -> int:
+    """The smallest context window at which a configuration with the route's `budget` takes a turn with a message
+    of `message_tokens` tokens and `n` tool results (its output reserve included), by bisection: a larger window
+    never fits less. -1 when no window up to FLOOR_SEARCH_LIMIT does."""
     message = " ".join(["word"] * message_tokens)
-    reserve = open_.context_budget(estimator.profile).output_reserve
-    low, high = reserve + 1, max(reserve + 2, 1 << 16)
-    while not _takes_turn(open_, prefix, estimator, high, message, n):
+    low, high = budget.output_reserve + 1, max(budget.output_reserve + 2, 1 << 16)
+    while not _takes_turn(budget, prefix, estimator, high, message, n):
         high *= 2
-        if high > 1 << 24:
+        if high > FLOOR_SEARCH_LIMIT:
             return -1
     while low < high:
         mid = (low + high) // 2
-        if _takes_turn(open_, prefix, estimator, mid, message, n):
+        if _takes_turn(budget, prefix, estimator, mid, message, n):
             high = mid
         else:
             low = mid + 1
@@ -164,14 +179,15 @@ def min_window(
 def validate_files(
     paths: list[Path], routes: list[str], *, message_tokens: int = 500, tool_results: int = 4
 ) -> tuple[int, dict[str, Any]]:
-    """Exit code (0 all fit, 1 something over a cap, 2 a file is not a valid configuration) and the report."""
+    """Exit code (0 all fit; 1 a class over its cap or a window below the floor; 2 a file is not a valid
+    configuration) and the report. Each configuration is checked on `routes`, or on its own route when none."""
     counters: dict[str, TiktokenCounter] = {}
 
     def counter_for(encoding: str) -> TiktokenCounter:
         return counters.setdefault(encoding, TiktokenCounter(encoding))
 
     try:
-        parsed_routes = [parse_route(r) for r in routes] or [ModelRoute()]
+        parsed_routes = [parse_route(r) for r in routes]
         configs = [(p, load_config(p)) for p in paths]
     except ConfigError as exc:
         return 2, {"ok": False, "error": str(exc)}
@@ -179,7 +195,7 @@ def validate_files(
     for path, open_ in configs:
         routes_out = [
             validate_config(open_, r, counter_for, message_tokens=message_tokens, tool_results=tool_results)
-            for r in parsed_routes
+            for r in parsed_routes or [open_.route]
         ]
         report["configs"].append({"config": str(path), "routes": routes_out})
         if not all(r["fits"] for r in routes_out):
@@ -197,4 +213,21 @@ def offending_lines(report: dict[str, Any]) -> list[str]:
                     lines.append(f"{cfg['config']} [{r['route']}]: tools: {row['count']} tools, cap {row['count_cap']}")
                 if row["tokens"] > row["cap"]:
                     lines.append(f"{cfg['config']} [{r['route']}]: {cls}: {row['tokens']:,} tokens, cap {row['cap']:,}")
+    return lines
+
+
+def floor_lines(report: dict[str, Any]) -> list[str]:
+    """One line per route whose window cannot take the turn the floor was computed for."""
+    lines = []
+    for cfg in report.get("configs", []):
+        for r in cfg["routes"]:
+            if not r["window_below_floor"]:
+                continue
+            f, floor = r["floor_for"], r["min_context_window"]
+            turn = f"a {f['message_tokens']:,}-token message with {f['tool_results']} tool results"
+            line = f"{cfg['config']} [{r['route']}]: context window {r['context_window']:,}"
+            if floor > 0:
+                lines.append(f"{line} < floor {floor:,} ({turn})")
+            else:
+                lines.append(f"{line}, and no window up to {FLOOR_SEARCH_LIMIT:,} tokens takes {turn}")
     return lines

@@ -18,6 +18,12 @@ from tests.integration.session_helpers import session_open, stack, start, turn
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "session_open.json"
 runner = CliRunner()
+# Large agent instructions (under their cap) on a 4,096-token window: no turn fits, though every class does.
+_BIG_ON_SMALL_WINDOW = {
+    "agent_instructions": "rule" + " rule" * 3_500,
+    "model_route": {"provider": "openai", "model": "gpt-4o", "context_window": 4_096},
+    "budget": {"output_reserve": 256},
+}
 
 
 def _instructions_measuring(tokens: int) -> str:
@@ -89,6 +95,63 @@ class TestValidate:
         res = runner.invoke(app, ["validate", str(cfg), "--model", "anthropic/claude-haiku-4-5", "--json"])
         assert "minimum cacheable" in json.loads(res.stdout)["configs"][0]["routes"][0]["warnings"][0]
 
+    def test_own_small_window_below_floor_exits_1(self, tmp_path: Path) -> None:
+        """Without --model a configuration is checked on its own route: a 4,096-token window that cannot take a
+        turn exits 1 naming the route, its window, the floor and the turn it was computed for."""
+        cfg = tmp_path / "small.json"
+        cfg.write_text(json.dumps(_BIG_ON_SMALL_WINDOW))
+        res = runner.invoke(app, ["validate", str(cfg)])
+        assert res.exit_code == 1, res.output
+        assert "WINDOW BELOW FLOOR" in " ".join(res.stdout.split())
+        assert f"window below floor: {cfg} [openai/gpt-4o]: context window 4,096 < floor " in res.stderr
+        assert "(a 500-token message with 4 tool results)" in res.stderr
+        report = json.loads(runner.invoke(app, ["validate", str(cfg), "--json"]).stdout)
+        (route,) = report["configs"][0]["routes"]
+        assert route["route"] == "openai/gpt-4o" and route["offending"] == []
+        assert route["context_window"] == 4_096 < route["min_context_window"] and not route["fits"]
+
+    def test_named_route_window_is_the_one_compared(self, tmp_path: Path) -> None:
+        """With --model the configuration is checked on that route's window (128,000 for openai/gpt-4o: exit 0),
+        lowered by a `budget.context_window` override (4,096: exit 1)."""
+        cfg, lowered = tmp_path / "small.json", tmp_path / "lowered.json"
+        cfg.write_text(json.dumps(_BIG_ON_SMALL_WINDOW))
+        lowered_budget = {"output_reserve": 256, "context_window": 4_096}
+        lowered.write_text(json.dumps(_BIG_ON_SMALL_WINDOW | {"model_route": None, "budget": lowered_budget}))
+        res = runner.invoke(app, ["validate", str(cfg), "--model", "openai/gpt-4o", "--json"])
+        assert res.exit_code == 0, res.output
+        (route,) = json.loads(res.stdout)["configs"][0]["routes"]
+        assert route["context_window"] == 128_000 and route["fits"] and route["min_context_window"] > 4_096
+        res = runner.invoke(app, ["validate", str(lowered), "--model", "openai/gpt-4o"])
+        assert res.exit_code == 1 and f"{lowered} [openai/gpt-4o]: context window 4,096 < floor" in res.stderr
+
+    def test_own_anthropic_route_is_the_one_checked(self, tmp_path: Path) -> None:
+        """A configuration whose own route is Anthropic is measured on Anthropic, with its window, without --model."""
+        cfg = tmp_path / "anthropic.json"
+        cfg.write_text(
+            json.dumps(
+                {
+                    "agent_instructions": "Be brief.",
+                    "model_route": {"provider": "anthropic", "model": "claude-sonnet-4-6"},
+                }
+            )
+        )
+        res = runner.invoke(app, ["validate", str(cfg), "--json"])
+        assert res.exit_code == 0, res.output
+        (route,) = json.loads(res.stdout)["configs"][0]["routes"]
+        assert route["route"] == "anthropic/claude-sonnet-4-6" and route["context_window"] == 200_000
+
+    def test_reserve_over_the_named_routes_window_is_below_floor(self, tmp_path: Path) -> None:
+        """An output reserve that takes a named route's whole window is reported as a window below the floor,
+        exit 1, not a traceback."""
+        cfg = tmp_path / "wide.json"
+        route = {"provider": "openai", "model": "gpt-4.1", "context_window": 1_000_000}
+        cfg.write_text(
+            json.dumps({"agent_instructions": "Be brief.", "model_route": route, "budget": {"output_reserve": 150_000}})
+        )
+        res = runner.invoke(app, ["validate", str(cfg), "--model", "openai/gpt-4o"])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert f"{cfg} [openai/gpt-4o]: context window 128,000 < floor " in res.stderr
+
 
 @pytest.mark.integration
 async def test_replay_reproduces_and_halving_needs_compaction(
@@ -155,8 +218,9 @@ class TestValidateFloor:
             secret=b"ctxengine-validate",
         )
         message = " ".join(["word"] * 300)
-        assert _takes_turn(open_, prefix, estimator, floor, message, 4)
-        assert not _takes_turn(open_, prefix, estimator, floor - 1, message, 4)
+        budget = open_.context_budget(estimator.profile)
+        assert _takes_turn(budget, prefix, estimator, floor, message, 4)
+        assert not _takes_turn(budget, prefix, estimator, floor - 1, message, 4)
 
     def test_more_tool_results_need_a_larger_window(self) -> None:
         """The floor grows with the number of tool results, and the CLI prints it per route."""
