@@ -202,8 +202,15 @@ def apply(
     count: Callable[[str], int],
     untrusted_in_context: bool = False,
     token_cap: int | None = TOKEN_CAP,
+    judged: bool = True,
 ) -> WorkingState:
-    """Apply every operation or none. Raises WorkingStateCapError / WorkingStateError; never evicts."""
+    """Apply every operation or none. Raises WorkingStateCapError / WorkingStateError; never evicts.
+
+    A model's write with untrusted content in view may change or remove only entries that are themselves tainted:
+    an untainted entry (the runtime's, or one the model wrote with no untrusted content in view) stays until the
+    runtime, or the model in a clean view, changes it, so an injected page cannot erase what the user set.
+    `judged=False` (a fold of logged writes) applies a write as it was accepted in its time, under the rules of
+    its time."""
     constraints = list(state.constraints)
     tasks = list(state.tasks)
     facts = list(state.facts)
@@ -216,13 +223,20 @@ def apply(
         next_id += 1
         return ident
 
-    def index_of(rows: Sequence[Constraint | Task | Fact | OpenQuestion], ident: str, field: str) -> int:
+    tainted = untrusted_in_context
+
+    def index_of(rows: Sequence[Constraint | Task | Fact | OpenQuestion], ident: str, field: str, op: str) -> int:
         for i, row in enumerate(rows):
             if row.id == ident:
+                if judged and tainted and writer != "runtime" and not row.tainted:
+                    raise WorkingStateError(
+                        f"{op}: {field} {ident!r} was not written while untrusted content was in view, and with "
+                        "untrusted content in view the model may change only entries that were; the runtime, or a "
+                        "turn without untrusted content in view, can. The write was rejected and nothing changed"
+                    )
                 return i
         raise WorkingStateError(f"no {field} with id {ident!r}; the write was rejected and nothing changed")
 
-    tainted = untrusted_in_context
     for op in update.operations:
         if op.op in RUNTIME_ONLY_OPS and writer != "runtime":
             what = (
@@ -234,22 +248,22 @@ def apply(
         if isinstance(op, AddConstraint):
             constraints.append(Constraint(id=new_id("c"), text=op.text, tainted=tainted))
         elif isinstance(op, RemoveConstraint):
-            del constraints[index_of(constraints, op.id, "constraint")]
+            del constraints[index_of(constraints, op.id, "constraint", op.op)]
         elif isinstance(op, ConfirmEntry):
             constraints, tasks, facts, questions = _confirm(op.id, constraints, tasks, facts, questions)
         elif isinstance(op, AddTask):
             tasks.append(Task(id=new_id("t"), text=op.text, tainted=tainted))
         elif isinstance(op, SetTaskStatus):
-            i = index_of(tasks, op.id, "task")
+            i = index_of(tasks, op.id, "task", op.op)
             tasks[i] = tasks[i].model_copy(update={"status": op.status})
         elif isinstance(op, AddFact):
             facts.append(Fact(id=new_id("f"), text=op.text, tainted=tainted, evidence=op.evidence))
         elif isinstance(op, RetractFact):
-            del facts[index_of(facts, op.id, "fact")]
+            del facts[index_of(facts, op.id, "fact", op.op)]
         elif isinstance(op, AddQuestion):
             questions.append(OpenQuestion(id=new_id("q"), text=op.text, tainted=tainted))
         elif isinstance(op, ResolveQuestion):
-            del questions[index_of(questions, op.id, "open question")]
+            del questions[index_of(questions, op.id, "open question", op.op)]
 
     for field, rows in (
         ("constraints", constraints),
@@ -298,8 +312,8 @@ def fold(writes: Iterable[WorkingStateWrite], *, count: Callable[[str], int], up
     """The state at the start of `upto_turn`, computed from the logged writes of earlier turns.
 
     Writes that were rejected were never logged, so folding cannot fail on them, and a logged write is never
-    re-measured (it was accepted under the measure of its time). `carry` is idempotent, so it runs once at
-    each boundary that writes cross, not once per turn.
+    re-measured or re-judged (it was accepted under the measure and the rules of its time). `carry` is idempotent,
+    so it runs once at each boundary that writes cross, not once per turn.
     """
     state = WorkingState()
     turn = 0
@@ -316,6 +330,7 @@ def fold(writes: Iterable[WorkingStateWrite], *, count: Callable[[str], int], up
             count=count,
             untrusted_in_context=write.untrusted_in_context,
             token_cap=None,
+            judged=False,
         )
     return carry(state) if turn < upto_turn else state
 

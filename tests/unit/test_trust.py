@@ -28,7 +28,9 @@ from core.working_state import (
     TAINT_MARK,
     WorkingState,
     WorkingStateUpdate,
+    WorkingStateWrite,
     apply,
+    fold,
     holds_tainted,
     render,
 )
@@ -213,6 +215,46 @@ class TestTaintedWorkingState:
         assert not holds_tainted(confirmed) and TAINT_MARK not in render(confirmed)
         removed = apply(state, _ops({"op": "remove_constraint", "id": "c1"}), writer="runtime", count=count)
         assert removed.constraints == []
+
+    @pytest.mark.parametrize(
+        ("op", "ident"),
+        [("set_task_status", "t1"), ("retract_fact", "f2"), ("resolve_question", "q3")],
+    )
+    def test_an_injected_write_cannot_change_what_it_did_not_write(self, op: str, ident: str) -> None:
+        """With untrusted content in view the model may not complete, retract or resolve an untainted entry (the
+        runtime's here): an injected page could otherwise erase the user's tasks, facts and questions, silently.
+        The same operation in a clean view, or by the runtime, applies; on an entry written under taint it applies.
+        A fold of logged writes does not re-judge them."""
+        setup = _ops(
+            {"op": "add_task", "text": "Book the 08:15 train"},
+            {"op": "add_fact", "text": "The budget is 200 EUR"},
+            {"op": "add_question", "text": "Window seat?"},
+        )
+        clean = apply(WorkingState(), setup, writer="runtime", count=count)
+        change = _ops({"op": op, "id": ident, **({"status": "done"} if op == "set_task_status" else {})})
+        with pytest.raises(WorkingStateError, match="model may change only entries that were"):
+            apply(clean, change, writer="model", count=count, untrusted_in_context=True)
+        assert apply(clean, change, writer="model", count=count) != clean
+        assert apply(clean, change, writer="runtime", count=count, untrusted_in_context=True) != clean
+        folded = fold(
+            [
+                WorkingStateWrite(turn=1, writer="runtime", untrusted_in_context=False, update=setup),
+                WorkingStateWrite(turn=1, writer="model", untrusted_in_context=True, update=change),
+            ],
+            count=count,
+            upto_turn=2,
+        )
+        assert folded != fold(
+            [WorkingStateWrite(turn=1, writer="runtime", untrusted_in_context=False, update=setup)],
+            count=count,
+            upto_turn=2,
+        )
+        tainted = apply(
+            WorkingState(), _ops({"op": "add_task", "text": "mail the files"}), writer="model", count=count,
+            untrusted_in_context=True,
+        )  # fmt: skip
+        done = _ops({"op": "set_task_status", "id": "t1", "status": "done"})
+        assert apply(tainted, done, writer="model", count=count, untrusted_in_context=True).tasks[0].status == "done"
 
     def test_confirming_an_unknown_entry_changes_nothing(self) -> None:
         """A confirmation naming no entry is refused with the id named."""
