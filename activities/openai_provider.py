@@ -41,7 +41,7 @@ from activities.tokens import TiktokenCounter
 from activities.wire import wire_prefix
 from contract.settings import settings
 from core.estimator import ModelProfile
-from core.rendering import parse_envelopes
+from core.rendering import escape_content, parse_envelopes
 
 # ----------------------------------------------------------------------------------------------------------
 # Wire helpers shared by both adapters (no SDK in here).
@@ -137,10 +137,28 @@ def region_b(segments: Sequence[ProviderSegment]) -> list[ProviderSegment]:
 
 
 def tool_call_of(seg: ProviderSegment) -> tuple[str, str, dict[str, Any]]:
-    """(call_id, tool name, arguments) of a tool_call segment (its canonical JSON inside the envelope)."""
+    """(call_id, tool name, arguments) of a tool_call segment (its canonical JSON inside the envelope). The
+    arguments leave their envelope for the provider's structured field, so each of their strings, keys included,
+    is escaped as the envelope escaped it (`escaped_arguments`)."""
     data = json.loads(envelope_content(seg.text))
     arguments = data.get("arguments")
-    return seg.call_id or str(data["call_id"]), str(data["tool"]), arguments if isinstance(arguments, dict) else {}
+    call_id = seg.call_id or str(data["call_id"])
+    return call_id, str(data["tool"]), escaped_arguments(arguments) if isinstance(arguments, dict) else {}
+
+
+def escaped_arguments(value: Any) -> Any:
+    """A tool call's arguments with every string (keys too) through the rendering contract's `escape_content`: a
+    model that copied a page's `<|im_start|>`, a forged envelope or a role marker into a call sends it back inert,
+    as every other segment's content goes (a chat-template server would read it as its own tokens). Ordinary text
+    is left as it is (`escape_content(x) == x` when x holds nothing to escape), so the bytes of such calls do not
+    change."""
+    if isinstance(value, str):
+        return escape_content(value)
+    if isinstance(value, Mapping):
+        return {escape_content(str(key)): escaped_arguments(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [escaped_arguments(item) for item in value]
+    return value
 
 
 def history_breakpoint(body: Sequence[ProviderSegment]) -> int | None:
