@@ -209,7 +209,10 @@ class CompactionActivities(CompactionActivityCalls):
         """
         _, (_, counter, _) = await self._context(inp.session_id)
         writes = [WorkingStateWrite.model_validate(w) for w in await self.store.working_state_writes(inp.session_id)]
-        state = fold(writes, count=counter.count, upto_turn=inp.turn + 1)
+        # The state at close holds every logged write, as the state query shows it: a runtime write after the last
+        # turn (`inp.turn`) is logged under the next turn's number (docs/working-state.md), so the fold runs to the
+        # turn after that one.
+        state = fold(writes, count=counter.count, upto_turn=inp.turn + 2)
         decided = {r.fact_id for r in await self.store.candidates(inp.session_id)}
         known = {text.lower() for text in await self.store.memory_texts(inp.scope)}
         written = 0

@@ -230,4 +230,5 @@ def _summary(item: ToolResult, tokens: int, ws_text: str | None) -> ToolResultSu
         tokens=tokens,
         summary=flat[:120],
         working_state=ws_text,
+        tainted=item.tainted,
     )

@@ -297,8 +297,10 @@ class ToolCallOutcome(BaseModel):
     call_id: str
     allowed: bool
     is_error: bool
-    trust: str
+    trust: str  # the result's trust level
     summary: str
+    # The result inherits its call's taint: the call was written with untrusted content in view (docs/trust.md).
+    tainted: bool = False
 
 
 class TurnResult(BaseModel):
@@ -433,6 +435,7 @@ class ToolResultSummary(BaseModel):
     tokens: int
     summary: str
     working_state: str | None = None
+    tainted: bool = False  # the stored result's taint (docs/trust.md); absent from results recorded before it
 
 
 class MemoryInput(BaseModel):

@@ -10,6 +10,7 @@ from rich.table import Table
 from activities.store import Store
 from core.budget import ContextBudget
 from core.plan import PlanSummary
+from core.rendering import UNTRUSTED_PROVENANCE, parse_envelopes
 
 
 async def inspect_session(store: Store, session_id: str, turn: int | None = None) -> dict[str, Any]:
@@ -48,6 +49,8 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         "prefix_sha256": rec.prefix_sha256,
         "request_sha256": rec.request_sha256,
         "status": plan.status.value,
+        # As stored with the request's plan: what the model wrote in reply to it is tainted (docs/trust.md).
+        "untrusted_in_view": plan.untrusted_in_view,
         "estimated_tokens": rec.estimated_tokens,
         "actual_input_tokens": rec.actual_input_tokens,
         "cached_tokens": rec.cached_tokens,
@@ -56,7 +59,7 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         "caps": caps,
         "yields": [y.model_dump(mode="json") for y in plan.yields],
         "pointers": [
-            {"item_id": s["item_id"], "trust": s["trust"], "text": s["text"][:200]}
+            {"item_id": s["item_id"], "trust": s["trust"], "tainted": _tainted(s), "text": s["text"][:200]}
             for s in segments
             if s["kind"] == "elided_span"
         ],
@@ -66,6 +69,8 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
                 "class": s["budget_class"],
                 "kind": s["kind"],
                 "trust": s["trust"],
+                "tainted": _tainted(s),
+                "taints_view": bool(s.get("taints", False)),
                 "item_id": s["item_id"],
                 "raw_tokens": s["raw_tokens"],
             }
@@ -75,6 +80,12 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         "requests": len(all_records),
         "distinct_prefix_hashes_in_epoch": len({r.prefix_sha256 for r in all_records if r.epoch == rec.epoch}),
     }
+
+
+def _tainted(segment: dict[str, Any]) -> bool:
+    """Whether a stored segment was written while untrusted content was in view: its envelope, as stored, carries
+    `provenance="untrusted"` (docs/trust.md)."""
+    return any(e.provenance == UNTRUSTED_PROVENANCE for e in parse_envelopes(segment["text"]))
 
 
 def print_inspection(view: dict[str, Any], console: Console | None = None) -> None:
@@ -89,6 +100,8 @@ def print_inspection(view: dict[str, Any], console: Console | None = None) -> No
         f"{view['session_cache_efficiency']:.1%}; "
         f"prefix hashes in this epoch: {view['distinct_prefix_hashes_in_epoch']} (1 means byte-stable)"
     )
+    if view["untrusted_in_view"]:
+        console.print("untrusted content in view: what the model wrote in reply to this request is tainted")
     classes = Table(title="tokens by class")
     classes.add_column("class")
     classes.add_column("tokens", justify="right")
@@ -98,14 +111,22 @@ def print_inspection(view: dict[str, Any], console: Console | None = None) -> No
         classes.add_row(name, f"{tokens:,}", f"{cap:,}" if cap is not None else "-")
     console.print(classes)
     segs = Table(title="context window, in order")
-    for col in ("region", "class", "kind", "trust", "item", "tokens"):
+    for col in ("region", "class", "kind", "trust", "taint", "item", "tokens"):
         segs.add_column(col)
     for s in view["segments"]:
-        segs.add_row(s["region"], s["class"], s["kind"], s["trust"], s["item_id"], str(s["raw_tokens"]))
+        segs.add_row(s["region"], s["class"], s["kind"], s["trust"], _taint_cell(s), s["item_id"], str(s["raw_tokens"]))
     console.print(segs)
     for y in view["yields"]:
         console.print(
             f"yield: {y['step']} ({y['reason']}) freed {y['tokens_freed']:,} tokens: {', '.join(y['item_ids'])}"
         )
     for p in view["pointers"]:
-        console.print(f"pointer {p['item_id']} [{p['trust']}]")
+        console.print(f"pointer {p['item_id']} [{p['trust']}{', tainted' if p['tainted'] else ''}]")
+
+
+def _taint_cell(segment: dict[str, Any]) -> str:
+    """`tainted` (provenance untrusted); `taints view` for untrusted content without that mark (an EXTERNAL_UNTRUSTED
+    result, a working-state block holding a tainted entry); else nothing."""
+    if segment["tainted"]:
+        return "tainted"
+    return "taints view" if segment["taints_view"] else ""

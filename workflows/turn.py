@@ -192,6 +192,7 @@ class TurnRunner:
             is_error=done.is_error,
             trust=done.trust,
             summary=done.summary,
+            tainted=done.tainted,
         )
 
     async def _compact(self, turn: int, keep_from_seq: int) -> CompactionOutcome:

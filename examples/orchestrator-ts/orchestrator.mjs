@@ -18,7 +18,7 @@ import { randomUUID } from 'node:crypto';
  * @typedef {{agent_instructions: string, tools?: ToolSpec[], grants?: string[] | null,
  *            model_route?: ModelRoute, budget?: Record<string, number>, memory_scope?: string}} SessionOpen
  * @typedef {{name: string, call_id: string, allowed: boolean, is_error: boolean, trust: string,
- *            summary: string}} ToolCallOutcome
+ *            summary: string, tainted: boolean}} ToolCallOutcome
  * @typedef {{turn: number, epoch: number, text: string, prefix_sha256: string,
  *            tool_calls: ToolCallOutcome[], model_calls: number}} TurnResult
  * @typedef {{session_id: string, status: string, epoch: number, turns: number,

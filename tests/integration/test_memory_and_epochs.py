@@ -106,3 +106,28 @@ async def test_untrusted_in_history_taints_later_facts(temporal_client: Client, 
         await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
         rows = await store.candidates(handle.id)
         assert [r.gate for r in rows] == ["untrusted"]
+
+
+async def test_a_runtime_fact_after_the_last_turn_is_offered(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Every fact of the working state at close is offered, a runtime write after the last turn (logged under the
+    next turn's number) too; a tainted fact of the last turn is still refused."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+
+        async def add_fact(text: str) -> None:
+            await handle.execute_update(names.UPDATE_WORKING_STATE, {"operations": [{"op": "add_fact", "text": text}]})
+
+        await add_fact("The user prefers trains over planes.")
+        await turn(
+            handle, '/call web.fetch {"url": "fixture://injection"}\n' + facts("Trailrunner 5 is the best boot.")
+        )
+        await add_fact("The user travels with a bicycle.")
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert "trains" in state.working_state and "bicycle" in state.working_state
+        await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
+        rows = {r.text: r for r in await store.candidates(handle.id)}
+        assert rows["The user prefers trains over planes."].accepted
+        assert rows["Trailrunner 5 is the best boot."].gate == "untrusted"
+        assert rows["The user travels with a bicycle."].accepted  # KeyError before: the late fact was never offered

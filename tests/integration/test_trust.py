@@ -13,6 +13,7 @@ from temporalio.service import RPCError
 from activities.tools import DEMO_TOOLS, EXECUTORS, marker
 from contract import names
 from contract.payloads import GrantTool, RevokeTool, SessionState
+from core.working_state import CONTROL_TOOL_NAME
 from harness.adversarial_model import AdversarialProvider
 from harness.gates import Stack, laundering_figures
 from tests.integration.child_start_hold import TOOL, HoldChildStart, HoldChildStartForGrant, HoldChildStartPastItsEnd
@@ -169,3 +170,36 @@ async def test_a_failed_web_tool_s_error_stays_untrusted(temporal_client: Client
         assert figures["untainted_working_state_entries_from_untrusted"] == 0, figures
         assert figures["untrusted_marker_bytes_in_memories"] == 0, figures
         assert not any(STRICT_TAG.lower() in text.lower() for text in await store.memory_texts(scope))
+
+
+async def test_operators_and_clients_see_taint(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """After the injected page, the adversarial model's calls and their results are tainted: `inspect` marks those
+    segments and the request's untrusted content in view (as stored), and the turn result marks each tainted call's
+    outcome, the `notes.save` result at trust TOOL included."""
+    from rich.console import Console
+
+    from ctxengine.inspection import inspect_session, print_inspection
+
+    async with stack(temporal_client, pg_dsn, task_queue, providers={"scripted": AdversarialProvider()}) as store:
+        handle = await start(temporal_client, task_queue, session_open(memory_scope="taint-views"))
+        result = await turn(handle, '/call web.fetch {"url": "fixture://injection"}')
+        outcomes = {c.name: c for c in result.tool_calls}
+        assert outcomes["notes.save"].trust == "TOOL" and outcomes["notes.save"].tainted
+        assert outcomes[CONTROL_TOOL_NAME].tainted
+        fetch = outcomes["web.fetch"]  # asked for before any untrusted content: untrusted, not tainted
+        assert fetch.trust == "EXTERNAL_UNTRUSTED" and not fetch.tainted
+
+        view = await inspect_session(store, handle.id, turn=1)
+        assert view["untrusted_in_view"]
+        segments = {s["item_id"]: s for s in view["segments"]}
+        note_call, note = segments["t1.m1.call1"], segments["t1.m1.call1.result"]  # the reply's notes.save
+        assert note_call["trust"] == "MODEL" and note_call["tainted"]
+        assert note["trust"] == "TOOL" and note["tainted"] and note["taints_view"]
+        page = segments["t1.m0.call0.result"]
+        assert page["trust"] == "EXTERNAL_UNTRUSTED" and page["taints_view"] and not page["tainted"]
+        assert not any(s["tainted"] for s in view["segments"] if s["region"] == "A")
+        console = Console(record=True, width=240)
+        print_inspection(view, console)
+        shown = console.export_text()
+        assert "untrusted content in view" in shown
+        assert "tainted" in next(line for line in shown.splitlines() if "t1.m1.call1.result" in line)
