@@ -105,6 +105,42 @@ class OverBudgetChildBuild(BuildActivities):
         return plan, ri, body
 
 
+class OverBudgetAfterAChildCall(BuildActivities):
+    """In a child run, every plan after the run's first says the body needs compaction: the child sends one request
+    (its tool calls run), then fails the turn (a child body that stops fitting once results arrive)."""
+
+    first_call: ClassVar[dict[str, int]] = {}  # child run id -> the call index of its first build (one worker)
+
+    async def _plan(
+        self,
+        inp: BuildInput,
+        open_: SessionOpen,
+        secret: bytes,
+        cache: SessionCache,
+        prefix: FrozenPrefix,
+        estimator: TokenEstimator,
+        user_item_id: str | None,
+        *,
+        reads: TurnReads,
+        message: list[dict[str, Any]],
+    ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
+        plan, ri, body = await super()._plan(
+            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
+        )
+        info = activity.info()
+        if info.workflow_type == names.WORKFLOW_CHILD_RUN:
+            first = self.first_call.setdefault(info.workflow_id or "", inp.call_index)
+            if inp.call_index > first:
+                plan = plan.model_copy(update={"status": PlanStatus.NEEDS_COMPACTION, "deficit_tokens": 1})
+        return plan, ri, body
+
+
+class ChildRunsFailAfterACall(SessionActivities):
+    """A child run sends a request, then fails the turn: the session must still count what it sent."""
+
+    build_family: ClassVar[type[BuildActivities]] = OverBudgetAfterAChildCall
+
+
 class FailingChildRuns(SessionActivities):
     """A child run's body never fits: the child compacts over its fresh body, finds nothing to compact and fails
     the turn. What the session does next must not depend on what the failed child did (its compactions' ids)."""

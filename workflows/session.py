@@ -50,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
 
-from workflows.child_run import ChildRunWorkflow
+from workflows.child_run import ChildRunWorkflow, caller_details, metrics_of_failed
 from workflows.retry_policies import RETRY, SEAL_RETRY
 from workflows.turn import TurnRunner
 
@@ -228,6 +228,9 @@ class SessionWorkflow:
         )
         try:
             done: ChildRunResult = await self.child
+        except ChildWorkflowError as exc:
+            self._count_failed(exc)
+            raise
         finally:
             self.child = None
         return self._adopt(done)
@@ -259,7 +262,7 @@ class SessionWorkflow:
         except ActivityError:
             pass  # the next turn's build seals it (activities/lifecycle.py `seal_orphans`)
         self._publish()
-        details = cause.details if isinstance(cause, ApplicationError) else ()
+        details = caller_details(cause.details) if isinstance(cause, ApplicationError) else ()
         return ApplicationError(f"turn {turn} failed: {message}", *details, type=type_, non_retryable=True)
 
     async def _escalate(self, turn: int, user_item_id: str, call_index: int) -> TurnResult:
@@ -286,9 +289,18 @@ class SessionWorkflow:
             await self._forward(ChildRunWorkflow.grant_tool, GrantTool(name=name))
         try:
             done: ChildRunResult = await self.child
+        except ChildWorkflowError as exc:
+            self._count_failed(exc)
+            raise
         finally:
             self.child = None
         return self._adopt(done)
+
+    def _count_failed(self, exc: ChildWorkflowError) -> None:
+        """A failed child run's state is not adopted, but its metrics are: the model calls it made were sent."""
+        metrics = metrics_of_failed(exc)
+        if metrics is not None:
+            self.state.metrics = metrics
 
     def _adopt(self, done: ChildRunResult) -> TurnResult:
         """Take the state a child run returns. Its authorisation is the session's: the session saw every
@@ -669,5 +681,5 @@ def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
     while isinstance(cause, ActivityError | ChildWorkflowError):
         cause = cause.cause
     if isinstance(cause, ApplicationError) and cause.type == type_:
-        return ApplicationError(cause.message, *cause.details, type=type_, non_retryable=True)
+        return ApplicationError(cause.message, *caller_details(cause.details), type=type_, non_retryable=True)
     return exc

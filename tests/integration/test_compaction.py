@@ -252,3 +252,38 @@ async def test_a_failed_child_run_does_not_fail_the_next_turn(
         )
         assert len({p["checkpoint_id"] for p in plans}) == len(plans)
         assert [p["decision"] for p in plans if "-e" in p["checkpoint_id"]] == ["nothing_to_compact"]
+
+
+async def test_a_failed_child_run_s_requests_are_counted(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A child run sends a request (the model, reading an injected page, calls tools), then fails the turn (a
+    harness fault: its next body never fits). The session does not adopt the failed run's state, but the `state`
+    query's metrics count the request it sent: requests and input tokens equal those of the stored request records
+    that have the provider's usage. Before, the failed child's requests were missing from the metrics."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from harness.adversarial_model import AdversarialProvider
+    from harness.faults import ChildRunsFailAfterACall
+
+    async with stack(
+        temporal_client,
+        pg_dsn,
+        task_queue,
+        activities_class=ChildRunsFailAfterACall,
+        providers={"scripted": AdversarialProvider()},
+    ) as store:
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+        failed = None
+        for i in range(120):
+            text = f"turn {i}: read this\n/call web.fetch {json.dumps({'url': 'fixture://injection'})}"
+            try:
+                await turn(handle, text)
+            except WorkflowUpdateFailedError as exc:
+                failed = exc.cause
+                break
+        assert getattr(failed, "type", None) == "ContextNeedsCompaction", failed
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        sent = [r for r in await store.records(handle.id) if r.actual_input_tokens is not None]
+        children = [r for r in sent if r.turn == state.turns and r.call_index > 0]
+        assert state.metrics.escalations >= 1 and children
+        assert state.metrics.requests == len(sent)
+        assert state.metrics.input_tokens == sum(r.actual_input_tokens or 0 for r in sent)
