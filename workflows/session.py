@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.api.common.v1 import Payload
@@ -17,7 +17,7 @@ from temporalio.common import RawValue, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
 
     from contract import bounds, names, retries
     from contract.activity_interfaces import CompactionActivityCalls, SessionActivityCalls
@@ -70,6 +70,17 @@ PATCH_FINISHED_CHILD = "forward-to-finished-child"  # a change that finds its ch
 CHILD_GONE = "ExternalWorkflowExecutionNotFound"
 # The start input's default when a client sends none: a payload without an encoding (see `_start_input`).
 NO_START_INPUT = RawValue(Payload())
+
+
+_Input = TypeVar("_Input", bound=BaseModel)
+
+
+def _given(req: _Input | None, update: str, model: type[_Input]) -> _Input:
+    """An update's input, or its refusal when none was sent or it was null: a typed, non-retryable ValueError
+    from the validator, before the update is accepted (the handler calls it too, so no path reads a None)."""
+    if isinstance(req, model):
+        return req
+    raise _refused(f"{update}: no input was sent, or it was null; send one {model.__name__} as a JSON object")
 
 
 def _refused(message: str) -> ApplicationError:
@@ -172,7 +183,8 @@ class SessionWorkflow:
 
     # ------------------------------------------------------------ submit_turn
     @workflow.update(name=names.UPDATE_SUBMIT_TURN)
-    async def submit_turn(self, turn: TurnInput) -> TurnResult:
+    async def submit_turn(self, turn: TurnInput | None = None) -> TurnResult:
+        turn = _given(turn, "submit_turn", TurnInput)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         if update_id in self.results:
             return self.results[update_id]
@@ -192,7 +204,8 @@ class SessionWorkflow:
             return result
 
     @submit_turn.validator
-    def _validate_turn(self, turn: TurnInput) -> None:
+    def _validate_turn(self, turn: TurnInput | None = None) -> None:
+        turn = _given(turn, "submit_turn", TurnInput)
         self._validate_open()
         self._validate_room()
         if not turn.text.strip():
@@ -330,8 +343,10 @@ class SessionWorkflow:
 
     # ------------------------------------------------------------ other updates
     @workflow.update(name=names.UPDATE_REVOKE_TOOL)
-    async def revoke_tool(self, req: RevokeTool) -> SessionState:
+    async def revoke_tool(self, req: RevokeTool | None = None) -> SessionState:
+        req = _given(req, "revoke_tool", RevokeTool)
         await workflow.wait_condition(lambda: self.ready)
+        self._check_pinned("revoke_tool", [req.name])  # an update sent before the session opened skipped it
         self.state.revoked_tools[req.name] = req.reason
         if self.child is not None:  # a turn running in a child run authorises against its own copy
             await self._forward(ChildRunWorkflow.revoke_tool, req)
@@ -339,18 +354,18 @@ class SessionWorkflow:
         return self.state
 
     @revoke_tool.validator
-    def _validate_revoke(self, req: RevokeTool) -> None:
+    def _validate_revoke(self, req: RevokeTool | None = None) -> None:
+        req = _given(req, "revoke_tool", RevokeTool)
         self._validate_open()
-        if self.ready and req.name not in self.state.pinned_tools:
-            raise _refused(
-                f"revoke_tool: {req.name!r} is not in this session's tool set ({', '.join(self.state.pinned_tools)})"
-            )
+        if self.ready:
+            self._check_pinned("revoke_tool", [req.name])
         if req.name == CONTROL_TOOL_NAME:
             raise _refused(f"revoke_tool: {CONTROL_TOOL_NAME} is the working-state control tool and stays granted")
 
     @workflow.update(name=names.UPDATE_GRANT_TOOL)
-    async def grant_tool(self, req: GrantTool) -> SessionState:
+    async def grant_tool(self, req: GrantTool | None = None) -> SessionState:
         """Authorisation changes at call time both ways (ADR-0020 decision 4): the prefix is untouched."""
+        req = _given(req, "grant_tool", GrantTool)
         await workflow.wait_condition(lambda: self.ready)
         self._check_grantable(req.name)
         self.state.revoked_tools.pop(req.name, None)
@@ -363,7 +378,8 @@ class SessionWorkflow:
         return self.state
 
     @grant_tool.validator
-    def _validate_grant(self, req: GrantTool) -> None:
+    def _validate_grant(self, req: GrantTool | None = None) -> None:
+        req = _given(req, "grant_tool", GrantTool)
         self._validate_open()
         if self.ready:
             self._check_grantable(req.name)
@@ -379,8 +395,9 @@ class SessionWorkflow:
             )
 
     @workflow.update(name=names.UPDATE_WORKING_STATE)
-    async def update_working_state(self, req: WorkingStateUpdate) -> WorkingStateResult:
+    async def update_working_state(self, req: WorkingStateUpdate | None = None) -> WorkingStateResult:
         """Runtime writes to the working state (ADR-0020 decision 14), between turns: serialised with them."""
+        req = _given(req, "update_working_state", WorkingStateUpdate)
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         async with self.lock:
@@ -407,11 +424,13 @@ class SessionWorkflow:
             return result
 
     @update_working_state.validator
-    def _validate_working_state(self, req: WorkingStateUpdate) -> None:
+    def _validate_working_state(self, req: WorkingStateUpdate | None = None) -> None:
+        req = _given(req, "update_working_state", WorkingStateUpdate)
         self._validate_open()
 
     @workflow.update(name=names.UPDATE_DELETE_MEMORY)
-    async def delete_memory(self, req: DeleteMemory) -> MemoryDeleted:
+    async def delete_memory(self, req: DeleteMemory | None = None) -> MemoryDeleted:
+        req = _given(req, "delete_memory", DeleteMemory)
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
@@ -434,12 +453,15 @@ class SessionWorkflow:
         return result
 
     @delete_memory.validator
-    def _validate_delete_memory(self, req: DeleteMemory) -> None:
+    def _validate_delete_memory(self, req: DeleteMemory | None = None) -> None:
+        req = _given(req, "delete_memory", DeleteMemory)
         self._validate_open()
 
     @workflow.update(name=names.UPDATE_ROTATE_EPOCH)
-    async def rotate_epoch(self, req: RotateEpoch) -> SessionState:
+    async def rotate_epoch(self, req: RotateEpoch | None = None) -> SessionState:
+        req = _given(req, "rotate_epoch", RotateEpoch)
         await workflow.wait_condition(lambda: self.ready)
+        self._check_pinned("rotate_epoch", req.revoke_tools)  # an update sent before the session opened skipped it
         async with self.lock:
             old = self.state.epoch
             new = old + 1
@@ -482,18 +504,38 @@ class SessionWorkflow:
             return self.state
 
     @rotate_epoch.validator
-    def _validate_rotate(self, req: RotateEpoch) -> None:
+    def _validate_rotate(self, req: RotateEpoch | None = None) -> None:
+        req = _given(req, "rotate_epoch", RotateEpoch)
         self._validate_open()
         if req.reason == "model_route_changed" and req.model_route is None:
             raise _refused("rotate_epoch: reason model_route_changed needs model_route")
         if req.reason == "forced_revocation" and not req.revoke_tools:
             raise _refused("rotate_epoch: reason forced_revocation needs revoke_tools")
-        unknown = [n for n in req.revoke_tools if self.ready and n not in self.state.pinned_tools]
+        if self.ready:
+            self._check_pinned("rotate_epoch", req.revoke_tools)
+        if req.model_route is not None:
+            # Checked with the session's budget here: a route it does not fit would otherwise fail the open
+            # activity's input (retried until its attempts ran out, then reported as the activity's failure).
+            try:
+                SessionOpen.model_validate({**self.open.model_dump(), "model_route": req.model_route.model_dump()})
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                msg = str(first["msg"]).removeprefix("Value error, ")
+                raise _refused(f"rotate_epoch: model_route: {where + ': ' if where else ''}{msg}") from None
+
+    def _check_pinned(self, update: str, tools: list[str]) -> None:
+        """Tool names an update names must be in the session's pinned tool set (known once the session opened)."""
+        unknown = [n for n in tools if n not in self.state.pinned_tools]
         if unknown:
-            raise _refused(f"rotate_epoch: not in this session's tool set: {', '.join(unknown)}")
+            raise _refused(
+                f"{update}: not in this session's tool set: {', '.join(unknown)} "
+                f"(its tools: {', '.join(self.state.pinned_tools)})"
+            )
 
     @workflow.update(name=names.UPDATE_WRITE_MEMORY)
-    async def write_memory(self, req: WriteMemory) -> MemoryResult:
+    async def write_memory(self, req: WriteMemory | None = None) -> MemoryResult:
+        req = _given(req, "write_memory", WriteMemory)
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
@@ -523,14 +565,16 @@ class SessionWorkflow:
         return result
 
     @write_memory.validator
-    def _validate_memory(self, req: WriteMemory) -> None:
+    def _validate_memory(self, req: WriteMemory | None = None) -> None:
+        req = _given(req, "write_memory", WriteMemory)
         self._validate_open()
         self._validate_room()
         if not req.text.strip():
             raise _refused("write_memory: text must not be blank")
 
     @workflow.update(name=names.UPDATE_CLOSE_SESSION)
-    async def close_session(self, req: CloseSession) -> SessionState:
+    async def close_session(self, req: CloseSession | None = None) -> SessionState:
+        req = req or CloseSession()  # no input, or null: the default reason
         await workflow.wait_condition(lambda: self.ready)
         # Two closes accepted in one workflow task both pass the validator: only the first closes.
         if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
@@ -569,7 +613,7 @@ class SessionWorkflow:
             return self.state
 
     @close_session.validator
-    def _validate_close(self, req: CloseSession) -> None:
+    def _validate_close(self, req: CloseSession | None = None) -> None:
         if self.closing or self.state.status == "closed":
             raise _refused("close_session: the session is already closed")
         if self.state.status == "failed":

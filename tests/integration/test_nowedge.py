@@ -295,3 +295,93 @@ async def test_continued_session_keeps_its_id(temporal_client: Client, pg_dsn: s
         )
         assert state["epoch"] == 2
         assert (await turn(handle, "three")).epoch == 2
+
+
+async def test_an_update_without_input_is_refused_or_defaulted(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """An update sent with no input, or with a null payload (`binary/null`: what the Python SDK's converter sends
+    for None, and the stock CLI's `--input-meta encoding=binary/null`), is refused by its validator, typed
+    ValueError and non-retryable, naming the update; `close_session`, whose fields all have defaults, closes with
+    its default reason. Before, a null `close_session` passed the validator, ran memory formation, then failed
+    its workflow task on `req.reason`, again and again: the session answered no query or update ever after."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        for name in (names.UPDATE_SUBMIT_TURN, names.UPDATE_REVOKE_TOOL, names.UPDATE_ROTATE_EPOCH):
+            for args in ([None], []):
+                with pytest.raises(WorkflowUpdateFailedError) as info:
+                    await asyncio.wait_for(handle.execute_update(name, *args), timeout=30)
+                cause = info.value.cause
+                assert getattr(cause, "type", None) == "ValueError" and getattr(cause, "non_retryable", False)
+                assert f"{name}: no input was sent, or it was null" in str(cause), cause
+        assert (await turn(handle, "still here")).turn == 2
+        closed = await asyncio.wait_for(
+            handle.execute_update(names.UPDATE_CLOSE_SESSION, None, result_type=SessionState), timeout=60
+        )
+        assert closed.status == "closed"
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.status == "closed" and state.turns == 2
+
+
+async def test_tool_names_sent_before_the_session_opened_are_checked(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """`revoke_tool` and a forced-revocation `rotate_epoch` that reach a session before it opened (update with
+    start) name a tool the session does not have: refused once it opens, nothing changes. Before, the validators
+    skipped the check until the session was open and the handlers never made it: the unknown name was recorded
+    as revoked, and an empty epoch was rotated and counted."""
+    from temporalio.client import WithStartWorkflowOperation
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from contract.payloads import RevokeTool, RotateEpoch
+
+    async with stack(temporal_client, pg_dsn, task_queue):
+        for name, arg in (
+            (names.UPDATE_REVOKE_TOOL, RevokeTool(name="bogus.tool")),
+            (names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="forced_revocation", revoke_tools=["nonexistent"])),
+        ):
+            operation = WithStartWorkflowOperation(
+                names.WORKFLOW_SESSION,
+                session_open(),
+                id=f"early-{uuid.uuid4().hex[:8]}",
+                task_queue=task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            )
+            with pytest.raises(WorkflowUpdateFailedError) as info:
+                await asyncio.wait_for(
+                    temporal_client.execute_update_with_start_workflow(name, arg, start_workflow_operation=operation),
+                    timeout=60,
+                )
+            assert "not in this session's tool set" in str(info.value.cause), info.value.cause
+            handle = await operation.workflow_handle()
+            state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+            assert state.epoch == 1 and state.revoked_tools == {} and state.removed_tools == []
+            assert (await turn(handle, "hello")).turn == 1
+
+
+async def test_a_rotation_to_a_route_the_budget_does_not_fit_is_refused_at_once(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A rotation to a route whose window the session's output reserve does not fit is refused by the validator,
+    typed ValueError, naming the reserve. Before, it was accepted and the open activity failed to
+    decode its own input, retryably, until its attempts ran out; the caller got the activity's failure naming
+    an internal model (`OpenInput`)."""
+    from contract.payloads import ModelRoute, RotateEpoch
+
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, session_open(budget={"output_reserve": 4_000}))
+        await turn(handle, "hello")
+        small = ModelRoute(provider="scripted", model="scripted-small", context_window=2_500)
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await asyncio.wait_for(
+                handle.execute_update(
+                    names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="model_route_changed", model_route=small)
+                ),
+                timeout=60,
+            )
+        cause = info.value.cause
+        assert getattr(cause, "type", None) == "ValueError" and getattr(cause, "non_retryable", False), cause
+        assert "output_reserve" in str(cause) and "OpenInput" not in str(cause), cause
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.epoch == 1
