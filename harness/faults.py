@@ -100,39 +100,24 @@ class OverBudgetChildBuild(BuildActivities):
         plan, ri, body = await super()._plan(
             inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
         )
-        if activity.info().workflow_type == names.WORKFLOW_CHILD_RUN:
+        if activity.info().workflow_type == names.WORKFLOW_CHILD_RUN and self._over_budget(inp):
             plan = plan.model_copy(update={"status": PlanStatus.NEEDS_COMPACTION, "deficit_tokens": 1})
         return plan, ri, body
 
+    def _over_budget(self, inp: BuildInput) -> bool:
+        """Whether this child-run build is made to need compaction: every one."""
+        return True
 
-class OverBudgetAfterAChildCall(BuildActivities):
+
+class OverBudgetAfterAChildCall(OverBudgetChildBuild):
     """In a child run, every plan after the run's first says the body needs compaction: the child sends one request
     (its tool calls run), then fails the turn (a child body that stops fitting once results arrive)."""
 
     first_call: ClassVar[dict[str, int]] = {}  # child run id -> the call index of its first build (one worker)
 
-    async def _plan(
-        self,
-        inp: BuildInput,
-        open_: SessionOpen,
-        secret: bytes,
-        cache: SessionCache,
-        prefix: FrozenPrefix,
-        estimator: TokenEstimator,
-        user_item_id: str | None,
-        *,
-        reads: TurnReads,
-        message: list[dict[str, Any]],
-    ) -> tuple[ContextPlan, RequestInputs, BodyInputs]:
-        plan, ri, body = await super()._plan(
-            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
-        )
-        info = activity.info()
-        if info.workflow_type == names.WORKFLOW_CHILD_RUN:
-            first = self.first_call.setdefault(info.workflow_id or "", inp.call_index)
-            if inp.call_index > first:
-                plan = plan.model_copy(update={"status": PlanStatus.NEEDS_COMPACTION, "deficit_tokens": 1})
-        return plan, ri, body
+    def _over_budget(self, inp: BuildInput) -> bool:
+        first = self.first_call.setdefault(activity.info().workflow_id or "", inp.call_index)
+        return inp.call_index > first
 
 
 class ChildRunsFailAfterACall(SessionActivities):

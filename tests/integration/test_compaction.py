@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 
 from activities.providers import build_providers
 from activities.session import SessionActivities
@@ -226,20 +227,11 @@ async def test_a_failed_child_run_does_not_fail_the_next_turn(
     under an id of its own (the child's compactions are numbered in the child's scope) and is answered. Numbered
     in one scope, the session's next compaction took the failed child's number, read its stored 'nothing to
     compact' plan and failed a turn that fits."""
-    from temporalio.client import WorkflowUpdateFailedError
-
     from harness.faults import FailingChildRuns
 
     async with stack(temporal_client, pg_dsn, task_queue, activities_class=FailingChildRuns) as store:
         handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
-        escalated = None
-        for i in range(120):
-            text = f"turn {i}: look this up\n/call web.fetch {json.dumps({'url': f'fixture://marker/{i}'})}"
-            try:
-                await turn(handle, text)
-            except WorkflowUpdateFailedError as exc:
-                escalated = exc.cause
-                break
+        escalated = await _first_failure(handle, lambda i: f"turn {i}: look this up\n{_fetch(f'fixture://marker/{i}')}")
         assert escalated is not None and "nothing left to compact" in str(escalated), escalated
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.metrics.escalations == 1
@@ -259,8 +251,6 @@ async def test_a_failed_child_run_s_requests_are_counted(temporal_client: Client
     harness fault: its next body never fits). The session does not adopt the failed run's state, but the `state`
     query's metrics count the request it sent: requests and input tokens equal those of the stored request records
     that have the provider's usage. Before, the failed child's requests were missing from the metrics."""
-    from temporalio.client import WorkflowUpdateFailedError
-
     from harness.adversarial_model import AdversarialProvider
     from harness.faults import ChildRunsFailAfterACall
 
@@ -272,14 +262,7 @@ async def test_a_failed_child_run_s_requests_are_counted(temporal_client: Client
         providers={"scripted": AdversarialProvider()},
     ) as store:
         handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
-        failed = None
-        for i in range(120):
-            text = f"turn {i}: read this\n/call web.fetch {json.dumps({'url': 'fixture://injection'})}"
-            try:
-                await turn(handle, text)
-            except WorkflowUpdateFailedError as exc:
-                failed = exc.cause
-                break
+        failed = await _first_failure(handle, lambda i: f"turn {i}: read this\n{_fetch('fixture://injection')}")
         assert getattr(failed, "type", None) == "ContextNeedsCompaction", failed
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         sent = [r for r in await store.records(handle.id) if r.actual_input_tokens is not None]
@@ -287,3 +270,19 @@ async def test_a_failed_child_run_s_requests_are_counted(temporal_client: Client
         assert state.metrics.escalations >= 1 and children
         assert state.metrics.requests == len(sent)
         assert state.metrics.input_tokens == sum(r.actual_input_tokens or 0 for r in sent)
+
+
+def _fetch(url: str) -> str:
+    return f"/call web.fetch {json.dumps({'url': url})}"
+
+
+async def _first_failure(handle: WorkflowHandle[Any, Any], text: Callable[[int], str]) -> BaseException | None:
+    """Turns `text(0)`, `text(1)`, ... until one fails (at most 120): that update's failure, or None."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    for i in range(120):
+        try:
+            await turn(handle, text(i))
+        except WorkflowUpdateFailedError as exc:
+            return exc.cause
+    return None
