@@ -95,11 +95,14 @@ class LifecycleActivities(SessionLifecycleCalls):
             while True:
                 try:
                     prefix = open_prefix(prefix_inputs, budget=budget, estimator=estimator, secret=secret)
+                    await check_route_fits(state, inp, prefix, estimator, budget, secret)
                     break
-                except PrefixOverflowError as exc:
-                    # The snapshot is a selection from the scope's memories, not caller input: a scope holding
-                    # more than the cap takes fewer entries (oldest first) instead of refusing every new session.
-                    if exc.budget_class != "memory_snapshot" or not prefix_inputs.memory_snapshot:
+                except (PrefixOverflowError, RouteDoesNotFitError) as exc:
+                    # The snapshot is a selection from the scope's memories, not caller input: a scope holding more
+                    # than the snapshot's cap, or more than leaves the route room for a turn, gives fewer entries
+                    # (the newest dropped first) instead of refusing every new session (or rotation) on the scope.
+                    snapshot_over = isinstance(exc, RouteDoesNotFitError) or exc.budget_class == "memory_snapshot"
+                    if not snapshot_over or not prefix_inputs.memory_snapshot:
                         raise
                     prefix_inputs = prefix_inputs.model_copy(
                         update={"memory_snapshot": prefix_inputs.memory_snapshot[:-1]}
@@ -119,14 +122,12 @@ class LifecycleActivities(SessionLifecycleCalls):
                 type="PrefixOverflowError",
                 non_retryable=True,
             ) from exc
-        except ValueError as exc:
-            raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
-        try:
-            await check_route_fits(state, inp, prefix, estimator, budget, secret)
         except RouteDoesNotFitError as exc:
             if inp.epoch == 1:
                 await state.event(inp.session_id, "open_failed:1", EventType.SESSION_OPEN_FAILED, 0, 1, exc.details())
             raise ApplicationError(str(exc), exc.details(), type=exc.error_type, non_retryable=True) from exc
+        except ValueError as exc:
+            raise ApplicationError(str(exc), type="InvalidSessionOpen", non_retryable=True) from exc
         await store.put_prefix(
             inp.session_id,
             inp.epoch,

@@ -1,8 +1,9 @@
 """Whether the smallest request a turn can make fits beside a prefix: a message, the working state, the
-corrections and the clock. Checked when a session opens (else it fails at open, RouteDoesNotFit: no turn could
-ever be answered) and before an epoch rotation applies (else the rotation is refused, RotationRefused). A turn's
-own message is checked by its first build, before the message is logged (the build raises TurnTooLargeError;
-`turn_too_large` makes it the turn's typed failure).
+corrections and the clock. Checked when a session opens, with a one-word message (else no turn could ever be
+answered: it fails at open, RouteDoesNotFit), and before an epoch rotation applies, with a message of
+ROUTE_CHECK_MESSAGE_TOKENS (else the rotation is refused, RotationRefused, and the session keeps its working
+route). A turn's own message is checked by its first build, before the message is logged (the build raises
+TurnTooLargeError; `turn_too_large` makes it the turn's typed failure).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from core.items import UserMessage
 from core.plan import ContextPlan
 from core.working_state import render
 
-# A rotation to another route must leave room for a message of this many tokens beside the minimum body.
+# A rotation must leave room for a message of this many tokens beside the minimum body; an open, for one word.
 ROUTE_CHECK_MESSAGE_TOKENS = 256
+OPEN_CHECK_MESSAGE_TOKENS = 1
 # What a request's real clock line (its digits tokenize differently from the check's) and the rounding of each
 # class to whole tokens may add to the check's figure.
 ROOM_SLACK_TOKENS = 16
@@ -37,21 +39,25 @@ async def check_route_fits(
     budget: ContextBudget,
     secret: bytes,
 ) -> None:
-    """The minimum body (a message of ROUTE_CHECK_MESSAGE_TOKENS, the working state, corrections, the clock) must
-    fit beside `prefix` under this route's estimate and budget, or RouteDoesNotFitError is raised: at open (epoch 1)
-    the session could never answer a turn and fails (RouteDoesNotFit); a rotation is refused and the old epoch stays
-    (RotationRefused). Not checked: a rotation on the same route whose prefix is no larger than the old epoch's (a
+    """The minimum body (a message, the working state, corrections, the clock) must fit beside `prefix` under this
+    route's estimate and budget, or RouteDoesNotFitError is raised. At open (epoch 1) the message is one word: a
+    session that fails this could never answer a turn, and fails (RouteDoesNotFit). At a rotation it is
+    ROUTE_CHECK_MESSAGE_TOKENS, and a rotation that fails it is refused, the old epoch kept (RotationRefused).
+    Not checked: a rotation whose route, encoding and window are the old epoch's and whose prefix is no larger (a
     forced revocation, say), which can only make room; refusing it would keep a tool the operator removed."""
+    words = OPEN_CHECK_MESSAGE_TOKENS if inp.epoch == 1 else ROUTE_CHECK_MESSAGE_TOKENS
     if inp.epoch > 1:
         previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
-        if (
-            previous is not None
-            and ModelProfile.model_validate(previous.profile).route == estimator.profile.route
-            and FrozenPrefix.model_validate(previous.prefix).raw_tokens >= prefix.raw_tokens
-        ):
-            return
+        if previous is not None:
+            old = ModelProfile.model_validate(previous.profile)
+            new = estimator.profile
+            same = (old.route, old.encoding, old.context_window) == (new.route, new.encoding, new.context_window)
+            if same and FrozenPrefix.model_validate(previous.prefix).raw_tokens >= prefix.raw_tokens:
+                return
     try:
-        await _build_minimum(state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret)
+        await _build_minimum(
+            state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret, message_tokens=words
+        )
     except TurnTooLargeError as exc:
         raise RouteDoesNotFitError(
             estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit, at_open=inp.epoch == 1
@@ -122,11 +128,12 @@ async def _build_minimum(
     *,
     with_working_state: bool = True,
     checkpoint: Checkpoint | None = None,
+    message_tokens: int = ROUTE_CHECK_MESSAGE_TOKENS,
 ) -> ContextPlan:
-    """Build the request of a ROUTE_CHECK_MESSAGE_TOKENS message alone beside the prefix, with the corrections,
-    the clock, the session's working state (unless `with_working_state` is False) and `checkpoint`'s summary (no
-    history, no recall); raises TurnTooLargeError when it does not fit."""
-    message = UserMessage(id="u:route-check", seq=_CHECK_SEQ, text="word " * ROUTE_CHECK_MESSAGE_TOKENS)
+    """Build the request of a `message_tokens` message alone beside the prefix, with the corrections, the clock,
+    the session's working state (unless `with_working_state` is False) and `checkpoint`'s summary (no history, no
+    recall); raises TurnTooLargeError when it does not fit."""
+    message = UserMessage(id="u:route-check", seq=_CHECK_SEQ, text="word " * message_tokens)
     writes = await state.store.working_state_writes(session_id) if with_working_state else []
     correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
     ws = working_state(writes, estimator.counter.count, 10**9)

@@ -120,16 +120,36 @@ async def test_a_session_whose_prefix_leaves_no_room_for_a_turn_fails_at_open(
         assert [e.payload for e in events if e.type == "context.session.open_failed"] == [sizes]
 
 
-async def test_a_same_route_rotation_is_checked_when_its_prefix_grows(
+async def test_a_session_with_room_for_a_short_turn_opens(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
-    """A rotation on the same route takes a fresh memory snapshot: when the snapshot grows the prefix past what
-    leaves room for a turn, the rotation is refused (RotationRefused) and the old epoch stays; before, only a
-    change of route was checked, and the session was left where no turn fits. A rotation whose prefix does not
-    grow (a forced revocation) is not checked."""
+    """The open check asks for room for a one-word message, not the 256 tokens a rotation must leave: a prefix that
+    leaves room for short turns only (validate's floor says so) opens and answers one."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(
+            temporal_client,
+            task_queue,
+            session_open(
+                agent_instructions="rule " * 900,
+                model_route={"provider": "scripted", "model": "scripted-1", "context_window": 3_200},
+                budget={"output_reserve": 256},
+            ),
+        )
+        answered = await turn(handle, "hi")
+        assert answered.plan.status.value == "fits"
+        assert answered.plan.input_limit - answered.plan.estimated_tokens < 256  # a 256-token message would not fit
+
+
+async def test_rotations_take_fewer_memories_rather_than_leave_no_room(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Every rotation takes a fresh memory snapshot. When memories written since would leave the route no room for
+    the minimum body of a 256-token message, the snapshot takes fewer of them (as over its own cap) and the
+    rotation applies: a provider routing change, and a forced revocation, whose tool must go whatever the snapshot.
+    Before, a same-route rotation was never checked and took every memory."""
     scope = f"grow-{task_queue}"
     route = {"provider": "scripted", "model": "scripted-1", "context_window": 3_200}
-    async with stack(temporal_client, pg_dsn, task_queue):
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
         handle = await start(
             temporal_client,
             task_queue,
@@ -138,20 +158,41 @@ async def test_a_same_route_rotation_is_checked_when_its_prefix_grows(
             ),
         )
         await turn(handle, "hello")
-        revoked = await handle.execute_update(
-            names.UPDATE_ROTATE_EPOCH,
-            RotateEpoch(reason="forced_revocation", revoke_tools=["notes.save"]),
-            result_type=SessionState,
-        )
-        assert revoked.epoch == 2
         for i in range(12):  # about 1,000 tokens of memories for the next snapshot
             await handle.execute_update(
                 names.UPDATE_WRITE_MEMORY, WriteMemory(memory_id=f"m{i}", text=f"memory {i}: " + "fact " * 80)
             )
+        for epoch, rotation in (
+            (2, RotateEpoch(reason="provider_routing_changed")),
+            (3, RotateEpoch(reason="forced_revocation", revoke_tools=["notes.save"])),
+        ):
+            state = await handle.execute_update(names.UPDATE_ROTATE_EPOCH, rotation, result_type=SessionState)
+            assert state.epoch == epoch
+            prefix = await store.get_prefix(handle.id, epoch)
+            assert prefix is not None
+            snapshot = [s for s in prefix.prefix["segments"] if s["kind"] == "memory_snapshot"]
+            assert 0 < len(snapshot) < 12, len(snapshot)
+            answered = await turn(handle, f"after rotation {epoch}")
+            assert answered.epoch == epoch and answered.plan.status.value == "fits"
+        assert "notes.save" in state.removed_tools
+
+
+async def test_a_rotation_to_a_smaller_window_of_the_same_model_is_checked(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A rotation to the same provider and model with a smaller window is a change of route: it is checked, and
+    refused when the window leaves no room for a 256-token turn. Before, a route was compared by provider and model
+    alone, so the check was skipped."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(
+            temporal_client, task_queue, session_open(agent_instructions="rule " * 600, budget={"output_reserve": 256})
+        )
+        await turn(handle, "hello")
+        smaller = ModelRoute(provider="scripted", model="scripted-1", context_window=2_900)
         with pytest.raises(WorkflowUpdateFailedError) as info:
-            await handle.execute_update(names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="provider_routing_changed"))
+            await handle.execute_update(
+                names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="model_route_changed", model_route=smaller)
+            )
         cause = info.value.cause
         assert isinstance(cause, ApplicationError) and cause.type == "RotationRefused", cause
-        assert (await handle.query(names.QUERY_STATE, result_type=SessionState)).epoch == 2
-        answered = await turn(handle, "still answered")
-        assert answered.epoch == 2
+        assert (await handle.query(names.QUERY_STATE, result_type=SessionState)).epoch == 1
