@@ -65,6 +65,8 @@ PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
 PATCH_CLOSE_ONCE = "close-once"
 PATCH_SEAL_BRIEFLY = "seal-failed-turn-briefly"  # a failed turn is sealed with SEAL_RETRY, not RETRY
 PATCH_FINISHED_CHILD = "forward-to-finished-child"  # a change that finds its child run finished fails nothing
+PATCH_EARLY_TOOL_NAMES = "early-tool-names-checked"  # names sent before the open are checked once it opens
+PATCH_FAILED_CHILD_METRICS = "failed-child-metrics"  # a failed child run's metrics are taken
 # The failure type of a signal to a workflow that has closed (or never existed): sdk-core's failure for the
 # `SignalExternalWorkflowExecutionFailed` event.
 CHILD_GONE = "ExternalWorkflowExecutionNotFound"
@@ -76,11 +78,13 @@ _Input = TypeVar("_Input", bound=BaseModel)
 
 
 def _given(req: _Input | None, update: str, model: type[_Input]) -> _Input:
-    """An update's input, or its refusal when none was sent or it was null: a typed, non-retryable ValueError
-    from the validator, before the update is accepted (the handler calls it too, so no path reads a None)."""
+    """An update's input, or its refusal when none was sent, it was null, or it decoded to something else (a binary
+    payload decodes to bytes whatever the handler's type): a typed, non-retryable ValueError from the validator,
+    before the update is accepted (the handler calls it too, so no path reads a field of a None or of bytes)."""
     if isinstance(req, model):
         return req
-    raise _refused(f"{update}: no input was sent, or it was null; send one {model.__name__} as a JSON object")
+    what = "no input was sent, or it was null" if req is None else f"its input is {type(req).__name__}, not an object"
+    raise _refused(f"{update}: {what}; send one {model.__name__} as a JSON object")
 
 
 def _refused(message: str) -> ApplicationError:
@@ -312,7 +316,7 @@ class SessionWorkflow:
     def _count_failed(self, exc: ChildWorkflowError) -> None:
         """A failed child run's state is not adopted, but its metrics are: the model calls it made were sent."""
         metrics = metrics_of_failed(exc)
-        if metrics is not None:
+        if metrics is not None and workflow.patched(PATCH_FAILED_CHILD_METRICS):
             self.state.metrics = metrics
 
     def _adopt(self, done: ChildRunResult) -> TurnResult:
@@ -346,7 +350,8 @@ class SessionWorkflow:
     async def revoke_tool(self, req: RevokeTool | None = None) -> SessionState:
         req = _given(req, "revoke_tool", RevokeTool)
         await workflow.wait_condition(lambda: self.ready)
-        self._check_pinned("revoke_tool", [req.name])  # an update sent before the session opened skipped it
+        if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
+            self._check_pinned("revoke_tool", [req.name])
         self.state.revoked_tools[req.name] = req.reason
         if self.child is not None:  # a turn running in a child run authorises against its own copy
             await self._forward(ChildRunWorkflow.revoke_tool, req)
@@ -461,7 +466,8 @@ class SessionWorkflow:
     async def rotate_epoch(self, req: RotateEpoch | None = None) -> SessionState:
         req = _given(req, "rotate_epoch", RotateEpoch)
         await workflow.wait_condition(lambda: self.ready)
-        self._check_pinned("rotate_epoch", req.revoke_tools)  # an update sent before the session opened skipped it
+        if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
+            self._check_pinned("rotate_epoch", req.revoke_tools)
         async with self.lock:
             old = self.state.epoch
             new = old + 1
@@ -574,7 +580,7 @@ class SessionWorkflow:
 
     @workflow.update(name=names.UPDATE_CLOSE_SESSION)
     async def close_session(self, req: CloseSession | None = None) -> SessionState:
-        req = req or CloseSession()  # no input, or null: the default reason
+        req = _given(CloseSession() if req is None else req, "close_session", CloseSession)  # none: the defaults
         await workflow.wait_condition(lambda: self.ready)
         # Two closes accepted in one workflow task both pass the validator: only the first closes.
         if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
@@ -614,6 +620,7 @@ class SessionWorkflow:
 
     @close_session.validator
     def _validate_close(self, req: CloseSession | None = None) -> None:
+        _given(CloseSession() if req is None else req, "close_session", CloseSession)  # bytes, a number: refused
         if self.closing or self.state.status == "closed":
             raise _refused("close_session: the session is already closed")
         if self.state.status == "failed":

@@ -302,9 +302,10 @@ async def test_an_update_without_input_is_refused_or_defaulted(
 ) -> None:
     """An update sent with no input, or with a null payload (`binary/null`: what the Python SDK's converter sends
     for None, and the stock CLI's `--input-meta encoding=binary/null`), is refused by its validator, typed
-    ValueError and non-retryable, naming the update; `close_session`, whose fields all have defaults, closes with
-    its default reason. Before, a null `close_session` passed the validator, ran memory formation, then failed
-    its workflow task on `req.reason`, again and again: the session answered no query or update ever after."""
+    ValueError and non-retryable, naming the update, and so is a binary payload (it decodes to bytes);
+    `close_session`, whose fields all have defaults, closes with its default reason. Before, a null or binary
+    `close_session` passed the validator, ran memory formation, then failed its workflow task on `req.reason`,
+    again and again: the session answered no query or update ever after."""
     async with stack(temporal_client, pg_dsn, task_queue):
         handle = await start(temporal_client, task_queue)
         await turn(handle, "hello")
@@ -316,6 +317,10 @@ async def test_an_update_without_input_is_refused_or_defaulted(
                 assert getattr(cause, "type", None) == "ValueError" and getattr(cause, "non_retryable", False)
                 assert f"{name}: no input was sent, or it was null" in str(cause), cause
         assert (await turn(handle, "still here")).turn == 2
+        for name in (names.UPDATE_CLOSE_SESSION, names.UPDATE_SUBMIT_TURN):  # a binary payload decodes to bytes
+            with pytest.raises(WorkflowUpdateFailedError) as info:
+                await asyncio.wait_for(handle.execute_update(name, b"\x00\xffbin"), timeout=30)
+            assert f"{name}: its input is bytes, not an object" in str(info.value.cause), info.value.cause
         closed = await asyncio.wait_for(
             handle.execute_update(names.UPDATE_CLOSE_SESSION, None, result_type=SessionState), timeout=60
         )
