@@ -522,13 +522,16 @@ class SessionWorkflow:
         if req.model_route is not None:
             # Checked with the session's budget here: a route it does not fit would otherwise fail the open
             # activity's input (retried until its attempts ran out, then reported as the activity's failure).
+            # Only the route and the budget are judged: the rest of the start input was accepted when it came.
             try:
                 SessionOpen.model_validate({**self.open.model_dump(), "model_route": req.model_route.model_dump()})
             except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                msg = str(first["msg"]).removeprefix("Value error, ")
-                raise _refused(f"rotate_epoch: model_route: {where + ': ' if where else ''}{msg}") from None
+                for error in exc.errors():
+                    if error["loc"] and error["loc"][0] in ("model_route", "budget"):
+                        msg = str(error["msg"]).removeprefix("Value error, ")
+                        if error["loc"][0] == "model_route":
+                            msg = ".".join(str(p) for p in error["loc"]) + f": {msg}"
+                        raise _refused(f"rotate_epoch: with this model_route, {msg}") from None
 
     def _check_pinned(self, update: str, tools: list[str]) -> None:
         """Tool names an update names must be in the session's pinned tool set (known once the session opened)."""
