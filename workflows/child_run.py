@@ -66,12 +66,7 @@ class ChildRunWorkflow:
 def _failed_with_metrics(exc: BaseException, metrics: SessionMetrics) -> ApplicationError:
     """The run's failure as its first typed cause (type, message, details), non-retryable, with the run's metrics
     as a last detail: the model calls it made were sent and billed, whatever became of the turn."""
-    cause: BaseException | None = exc
-    seen: set[int] = set()
-    while cause is not None and not isinstance(cause, ApplicationError) and id(cause) not in seen:
-        seen.add(id(cause))
-        cause = cause.__cause__
-    typed = cause if isinstance(cause, ApplicationError) else None
+    typed = first_typed_cause(exc)
     return ApplicationError(
         typed.message if typed else str(exc),
         *(caller_details(typed.details) if typed else ()),
@@ -94,3 +89,13 @@ def metrics_of_failed(exc: ChildWorkflowError) -> SessionMetrics | None:
 def caller_details(details: Sequence[Any]) -> tuple[Any, ...]:
     """A failure's details as a caller sees them: without the metrics a failed child run adds."""
     return tuple(d for d in details if not (isinstance(d, dict) and CHILD_METRICS in d))
+
+
+def first_typed_cause(exc: BaseException) -> ApplicationError | None:
+    """The first ApplicationError in `exc`'s cause chain, `exc` included (a chain that loops ends the search)."""
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and not isinstance(cause, ApplicationError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return cause if isinstance(cause, ApplicationError) else None

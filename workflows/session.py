@@ -50,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
 
-from workflows.child_run import ChildRunWorkflow, caller_details, metrics_of_failed
+from workflows.child_run import ChildRunWorkflow, caller_details, first_typed_cause, metrics_of_failed
 from workflows.retry_policies import RETRY, SEAL_RETRY
 from workflows.turn import TurnRunner
 
@@ -255,11 +255,7 @@ class SessionWorkflow:
     async def _turn_failed(self, turn: int, exc: BaseException) -> ApplicationError:
         """A failed turn fails its update, typed, not the session: its unanswered tool calls get error results
         (so every later request stays valid) and the turn lock is released by the caller's `async with`."""
-        cause: BaseException | None = exc
-        seen: set[int] = set()
-        while cause is not None and not isinstance(cause, ApplicationError) and id(cause) not in seen:
-            seen.add(id(cause))
-            cause = cause.__cause__
+        cause = first_typed_cause(exc)
         type_ = cause.type if isinstance(cause, ApplicationError) and cause.type else retries.TURN_FAILED
         message = cause.message if isinstance(cause, ApplicationError) else str(exc)
         try:
