@@ -95,17 +95,20 @@ class LifecycleActivities(SessionLifecycleCalls):
             while True:
                 try:
                     prefix = open_prefix(prefix_inputs, budget=budget, estimator=estimator, secret=secret)
-                    await check_route_fits(state, inp, prefix, estimator, budget, secret)
+                    last = not prefix_inputs.memory_snapshot
+                    await check_route_fits(state, inp, prefix, estimator, budget, secret, last_resort=last)
                     break
                 except (PrefixOverflowError, RouteDoesNotFitError) as exc:
                     # The snapshot is a selection from the scope's memories, not caller input: a scope holding more
-                    # than the snapshot's cap, or more than leaves the route room for a turn, gives fewer entries
-                    # (the newest dropped first) instead of refusing every new session (or rotation) on the scope.
+                    # than the snapshot's cap, or more than leaves the route room for a turn (a memory's corrections
+                    # count: they render while it is in the snapshot), gives fewer entries instead of refusing every
+                    # new session (or rotation) on the scope. The longest goes first (the newest of equals), so one
+                    # oversized memory does not empty the snapshot.
                     snapshot_over = isinstance(exc, RouteDoesNotFitError) or exc.budget_class == "memory_snapshot"
                     if not snapshot_over or not prefix_inputs.memory_snapshot:
                         raise
                     prefix_inputs = prefix_inputs.model_copy(
-                        update={"memory_snapshot": prefix_inputs.memory_snapshot[:-1]}
+                        update={"memory_snapshot": _without_longest(prefix_inputs.memory_snapshot)}
                     )
         except PrefixOverflowError as exc:
             await state.event(
@@ -194,6 +197,12 @@ class LifecycleActivities(SessionLifecycleCalls):
 
     def all(self) -> list[Any]:
         return [self.open_session, self.seal_turn, self.close_session]
+
+
+def _without_longest(snapshot: list[MemorySnapshotEntry]) -> list[MemorySnapshotEntry]:
+    """The snapshot less its longest entry (of equals, the newest: the last in the list, which is oldest first)."""
+    drop = max(range(len(snapshot)), key=lambda i: (len(snapshot[i].text), i))
+    return snapshot[:drop] + snapshot[drop + 1 :]
 
 
 def _first_error(exc: ValueError) -> str:

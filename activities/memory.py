@@ -13,6 +13,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.minimum_body import working_state_cap
 from activities.session_state import SessionState, snapshot_ids, working_state
+from activities.store import WITHDRAWN_PREFIX
 from contract import names
 from contract.activity_interfaces import MemoryCalls
 from contract.events import EventType
@@ -42,8 +43,8 @@ class MemoryActivities(MemoryCalls):
         """Store a memory (or a correction). It reaches recall and corrections, never the frozen snapshot.
 
         Refused before anything is stored: a `corrects` naming no memory of the scope (UnknownMemory), and an
-        explicit `memory_id` the scope already holds with other content (MemoryIdTaken: memories are never
-        overwritten; write a correction instead). The same write again (a retry) succeeds.
+        explicit `memory_id` the scope already holds with other content, or held and withdrew (MemoryIdTaken:
+        memories are never overwritten; write a correction instead). The same write again (a retry) succeeds.
         """
         store = self.state.store
         memory_id = inp.write.memory_id or f"{inp.session_id}:{inp.update_id}"
@@ -51,6 +52,14 @@ class MemoryActivities(MemoryCalls):
             raise ApplicationError(
                 f"write_memory: corrects: no memory {inp.write.corrects!r} in scope {inp.scope!r}",
                 type="UnknownMemory",
+                non_retryable=True,
+            )
+        if await store.get_memory(inp.scope, WITHDRAWN_PREFIX + memory_id) is not None:
+            raise ApplicationError(
+                f"write_memory: memory_id: {memory_id!r} was used and withdrawn in scope {inp.scope!r}: its "
+                "withdrawal is still shown to sessions whose snapshot held it, and would withdraw the new memory "
+                "too; choose another id",
+                type="MemoryIdTaken",
                 non_retryable=True,
             )
         taken = await store.get_memory(inp.scope, memory_id)

@@ -38,30 +38,37 @@ async def check_route_fits(
     estimator: TokenEstimator,
     budget: ContextBudget,
     secret: bytes,
+    *,
+    last_resort: bool,
 ) -> None:
     """The minimum body (a message, the working state, corrections, the clock) must fit beside `prefix` under this
     route's estimate and budget, or RouteDoesNotFitError is raised. At open (epoch 1) the message is one word: a
     session that fails this could never answer a turn, and fails (RouteDoesNotFit). At a rotation it is
     ROUTE_CHECK_MESSAGE_TOKENS, and a rotation that fails it is refused, the old epoch kept (RotationRefused).
-    Not checked: a rotation whose route, encoding and window are the old epoch's and whose prefix is no larger (a
-    forced revocation, say), which can only make room; refusing it would keep a tool the operator removed."""
+    `last_resort`: the snapshot can give no more memories. Then a rotation whose route, encoding and window are
+    the old epoch's and whose prefix is no larger (a forced revocation, say) applies anyway: it can only make
+    room, and refusing it would keep a tool the operator removed."""
     words = OPEN_CHECK_MESSAGE_TOKENS if inp.epoch == 1 else ROUTE_CHECK_MESSAGE_TOKENS
-    if inp.epoch > 1:
-        previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
-        if previous is not None:
-            old = ModelProfile.model_validate(previous.profile)
-            new = estimator.profile
-            same = (old.route, old.encoding, old.context_window) == (new.route, new.encoding, new.context_window)
-            if same and FrozenPrefix.model_validate(previous.prefix).raw_tokens >= prefix.raw_tokens:
-                return
     try:
         await _build_minimum(
             state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret, message_tokens=words
         )
     except TurnTooLargeError as exc:
+        if last_resort and inp.epoch > 1 and await _no_larger(state, inp, prefix, estimator):
+            return
         raise RouteDoesNotFitError(
             estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit, at_open=inp.epoch == 1
         ) from exc
+
+
+async def _no_larger(state: SessionState, inp: OpenInput, prefix: FrozenPrefix, estimator: TokenEstimator) -> bool:
+    """Whether `prefix` is on the old epoch's route, encoding and window and no larger than its prefix."""
+    previous = await state.store.get_prefix(inp.session_id, inp.epoch - 1)
+    if previous is None:
+        return False
+    old, new = ModelProfile.model_validate(previous.profile), estimator.profile
+    same = (old.route, old.encoding, old.context_window) == (new.route, new.encoding, new.context_window)
+    return same and FrozenPrefix.model_validate(previous.prefix).raw_tokens >= prefix.raw_tokens
 
 
 async def working_state_cap(

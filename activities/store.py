@@ -398,9 +398,13 @@ SELECT memory_id, text, trust, ts_rank(tsv, q) AS rank
 FROM memories, websearch_to_tsquery('english', $2) AS q
 WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[])) AND NOT starts_with(memory_id, 'withdrawn:')
 ORDER BY rank DESC, memory_id LIMIT $4"""
+# A memory's correction line is its latest correction (a later one supersedes an earlier one; a withdrawal is a
+# correction): one line per corrected snapshot memory, however many corrections its scope holds.
 SQL_CORRECTIONS = """
-SELECT memory_id, text, trust, corrects FROM memories
-WHERE scope = $1 AND corrects = ANY($2::text[]) ORDER BY created_at, memory_id"""
+SELECT memory_id, text, trust, corrects FROM (
+    SELECT DISTINCT ON (corrects) memory_id, text, trust, corrects, created_at FROM memories
+    WHERE scope = $1 AND corrects = ANY($2::text[]) ORDER BY corrects, created_at DESC, memory_id DESC
+) latest ORDER BY created_at, memory_id"""
 SQL_ADD_WS_WRITE = """
 INSERT INTO working_state_writes (session_id, write_key, turn, write) VALUES ($1, $2, $3, $4)
 ON CONFLICT (session_id, write_key) DO NOTHING"""
@@ -431,7 +435,9 @@ SQL_TURN_READS = _with_blocks(
   cp.checkpoint,
   (SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', m.memory_id, 'text', m.text, 'trust', m.trust,
                                                 'corrects', m.corrects) ORDER BY m.created_at, m.memory_id), '[]')
-     FROM memories m WHERE m.scope = s.open->>'memory_scope' AND m.corrects = ANY(snap.ids)) AS corrections,
+     FROM (SELECT DISTINCT ON (c.corrects) c.* FROM memories c  -- each memory's latest correction (SQL_CORRECTIONS)
+           WHERE c.scope = s.open->>'memory_scope' AND c.corrects = ANY(snap.ids)
+           ORDER BY c.corrects, c.created_at DESC, c.memory_id DESC) m) AS corrections,
   CASE WHEN $5::text IS NOT NULL THEN (
     SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', r.memory_id, 'text', r.text, 'trust', r.trust)
                               ORDER BY r.rank DESC, r.memory_id), '[]')

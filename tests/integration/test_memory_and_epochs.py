@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 
+from activities.store import Store
 from contract import names
 from contract.payloads import ModelRoute, RotateEpoch, SessionState, WriteMemory
-from tests.integration.session_helpers import stack, start, turn
+from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
 
@@ -131,3 +132,90 @@ async def test_a_runtime_fact_after_the_last_turn_is_offered(
         assert rows["The user prefers trains over planes."].accepted
         assert rows["Trailrunner 5 is the best boot."].gate == "untrusted"
         assert rows["The user travels with a bicycle."].accepted  # KeyError before: the late fact was never offered
+
+
+async def test_corrections_of_one_memory_render_as_its_latest(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Sixteen corrections of one snapshot memory render as one correction line, the latest. Before, every
+    correction rendered, and correction lines never yield: sixteen of 4,000 characters, written from another
+    session on the scope, left a 16k-token session no room for any turn."""
+    scope = f"flood-{task_queue}"
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await _remember(store, scope, "msnap", "The office is in Bergen.")
+        open_ = session_open(memory_scope=scope, budget={"context_window": 16_384, "output_reserve": 1_000})
+        handle = await start(temporal_client, task_queue, open_)
+        await turn(handle, "hello")
+        for i in range(16):
+            text = f"correction {i}: " + "the office moved again " * 170
+            await _remember(store, scope, f"fix{i}", text, corrects="msnap")
+        answered = await turn(handle, "where is the office?")
+        request = await store.get_request(answered.plan.request_sha256)
+        assert request is not None
+        lines = [s["text"] for s in request.body if s["kind"] == "correction"]
+        assert len(lines) == 1 and "correction 15:" in lines[0], [line[:40] for line in lines]
+
+
+async def test_a_rotation_frees_a_session_a_correction_filled(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A correction too long for the window beside the prefix: the turn fails TurnTooLarge (correction lines never
+    yield). A rotation on the same route is checked like any other: its snapshot leaves the corrected memory out,
+    its correction line goes with it, and the next turn is answered. Before, a same-route rotation whose prefix did
+    not grow was not checked: it kept the memory, and every turn still failed."""
+    scope = f"stuck-{task_queue}"
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await _remember(store, scope, "msnap", "The office is in Bergen.")
+        open_ = session_open(memory_scope=scope, budget={"context_window": 2_800, "output_reserve": 256})
+        handle = await start(temporal_client, task_queue, open_)
+        await turn(handle, "hello")
+        await _remember(store, scope, "fix", "The office moved: " + "word " * 800, corrects="msnap")
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await turn(handle, "where is the office?")
+        assert getattr(info.value.cause, "type", None) == "TurnTooLarge", info.value.cause
+        rotated = await handle.execute_update(
+            names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="provider_routing_changed"), result_type=SessionState
+        )
+        assert rotated.epoch == 2
+        answered = await turn(handle, "where is the office now?")
+        assert answered.epoch == 2 and answered.plan.tokens_by_class.get("corrections", 0) == 0
+
+
+async def test_a_withdrawn_memory_id_is_not_reused(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A deleted memory leaves a withdrawal that sessions whose snapshot held it still show; a new memory under the
+    same id would be withdrawn by it too, so the id is refused (MemoryIdTaken). Before, the write succeeded and
+    every later session showed the new memory beside a line withdrawing it."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, session_open(memory_scope=f"ids-{task_queue}"))
+        await handle.execute_update(names.UPDATE_WRITE_MEMORY, WriteMemory(memory_id="m2", text="The codename is OWL."))
+        await handle.execute_update(names.UPDATE_DELETE_MEMORY, {"memory_id": "m2", "reason": "obsolete"})
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await handle.execute_update(
+                names.UPDATE_WRITE_MEMORY, WriteMemory(memory_id="m2", text="The codename is HERON now.")
+            )
+        cause = info.value.cause
+        assert getattr(cause, "type", None) == "MemoryIdTaken" and "withdrawn" in str(cause), cause
+
+
+async def test_one_oversized_memory_does_not_empty_the_snapshot(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """The scope's oldest memory alone is over the snapshot's 1,500-token cap; 39 small ones follow. A new
+    session's snapshot leaves out the oversized one and keeps the oldest small ones that fit. Before, the newest
+    went first, down to the oversized one, then it too: the snapshot was empty in every session on the scope."""
+    scope = f"big-{task_queue}"
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await _remember(store, scope, "huge", "x," * 2_000)
+        for i in range(39):
+            await _remember(store, scope, f"s{i:02d}", f"Small fact {i}.")
+        handle = await start(temporal_client, task_queue, session_open(memory_scope=scope))
+        await turn(handle, "hello")
+        prefix = await store.get_prefix(handle.id, 1)
+        assert prefix is not None
+        kept = [s["item_id"] for s in prefix.prefix["segments"] if s["kind"] == "memory_snapshot"]
+        assert kept and kept == [f"memory.s{i:02d}" for i in range(len(kept))], kept  # the oldest that fit the cap
+
+
+async def _remember(store: Store, scope: str, memory_id: str, text: str, corrects: str | None = None) -> None:
+    """A memory written straight to the store, as another session on the scope would have."""
+    await store.write_memory(scope, memory_id, text, trust="USER", session_id=None, corrects=corrects)
