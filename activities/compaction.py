@@ -228,20 +228,28 @@ class CompactionActivities(CompactionActivityCalls):
                 gate, reason = "length", f"{len(text)} characters, outside {MIN_FACT_CHARS}..{MAX_FACT_CHARS}"
             elif text.lower() in known:
                 gate, reason = "duplicate", "already a memory in this scope"
-            memory_id = None
-            if gate == "duplicate" and await self.store.memory_exists(inp.scope, f"{inp.session_id}:{fact.id}"):
+            memory_id = f"{inp.session_id}:{fact.id}"
+            if gate == "duplicate" and await self._formed(inp, memory_id, text):
                 gate, reason = None, "accepted"  # a retry: this very fact was written by the first attempt
-            if gate is None:
-                memory_id = f"{inp.session_id}:{fact.id}"
+            elif gate is None:
                 await self.store.write_memory(
                     inp.scope, memory_id, text, trust=TrustLevel.MODEL.value, session_id=inp.session_id, corrects=None
                 )
+                if not await self._formed(inp, memory_id, text):  # a caller's write_memory took the id first
+                    gate, reason = "id_taken", f"memory id {memory_id!r} holds another writer's memory"
+            if gate is None:
                 known.add(text.lower())
                 written += 1
             else:
                 rejected[gate] = rejected.get(gate, 0) + 1
             await self.store.put_candidate(
-                inp.session_id, fact.id, text, accepted=gate is None, gate=gate, reason=reason, memory_id=memory_id
+                inp.session_id,
+                fact.id,
+                text,
+                accepted=gate is None,
+                gate=gate,
+                reason=reason,
+                memory_id=memory_id if gate is None else None,
             )
         log.info(
             "memory.formation",
@@ -253,6 +261,11 @@ class CompactionActivities(CompactionActivityCalls):
             rejected=rejected,
         )
         return FormationResult(candidates=len(state.facts), written=written, rejected=rejected)
+
+    async def _formed(self, inp: FormationInput, memory_id: str, text: str) -> bool:
+        """Whether the scope holds this session's fact under `memory_id` (a memory another writer put there is not)."""
+        row = await self.store.get_memory(inp.scope, memory_id)
+        return row is not None and (row.source_session, row.text) == (inp.session_id, text)
 
     async def _completed(self, inp: CompactionInput, outcome: CompactionOutcome) -> CompactionOutcome:
         await self.state.event(

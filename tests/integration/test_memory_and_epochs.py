@@ -219,3 +219,22 @@ async def test_one_oversized_memory_does_not_empty_the_snapshot(
 async def _remember(store: Store, scope: str, memory_id: str, text: str, corrects: str | None = None) -> None:
     """A memory written straight to the store, as another session on the scope would have."""
     await store.write_memory(scope, memory_id, text, trust="USER", session_id=None, corrects=corrects)
+
+
+async def test_a_fact_whose_memory_id_another_writer_took_is_not_reported_formed(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Another writer on the scope took the id memory formation gives a session's fact (`SESSION:f1`) before the
+    session closed. The fact is recorded as not formed (gate `id_taken`), not as accepted under the other
+    writer's text. Before, the formation's write did nothing on the conflict and the candidate read `accepted`,
+    pointing at a memory that said the opposite."""
+    scope = f"hijack-{task_queue}"
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(memory_scope=scope))
+        fact = {"op": "add_fact", "text": "The user is allergic to penicillin."}
+        await handle.execute_update(names.UPDATE_WORKING_STATE, {"operations": [fact]})
+        await turn(handle, "hello")
+        await _remember(store, scope, f"{handle.id}:f1", "The user is NOT allergic to anything.")
+        await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
+        (candidate,) = [r for r in await store.candidates(handle.id) if r.fact_id == "f1"]
+        assert not candidate.accepted and candidate.gate == "id_taken" and candidate.memory_id is None, candidate
