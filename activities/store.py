@@ -569,6 +569,15 @@ SQL_CLOSE_SESSION = """
 UPDATE sessions SET closed_at = now(), close_reason = $2 WHERE session_id = $1 AND closed_at IS NULL"""
 
 SQL_DELETE_MEMORY = "DELETE FROM memories WHERE scope = $1 AND memory_id = $2 RETURNING 1"
+# A deleted memory's corrections, and theirs, go with it: they restate what it said (a tombstone stays).
+SQL_DELETE_CORRECTIONS = """
+WITH RECURSIVE fixes AS (
+    SELECT memory_id FROM memories WHERE scope = $1 AND corrects = $2 AND NOT starts_with(memory_id, 'withdrawn:')
+    UNION
+    SELECT m.memory_id FROM memories m JOIN fixes f ON m.scope = $1 AND m.corrects = f.memory_id
+    WHERE NOT starts_with(m.memory_id, 'withdrawn:')
+)
+DELETE FROM memories WHERE scope = $1 AND memory_id IN (SELECT memory_id FROM fixes)"""
 SQL_WITHDRAWN = "SELECT 1 FROM memories WHERE scope = $1 AND memory_id = $2"
 # Tables whose rows are a session's, by a `session_id` column: found in the catalogue, so a table added later
 # is purged too. `sessions` goes last (the others reference it).
@@ -1152,14 +1161,16 @@ class Store:
         return _all(MemoryRow, await self.pool.fetch(SQL_CORRECTIONS, scope, list(memory_ids)))
 
     async def delete_memory(self, scope: str, memory_id: str, *, reason: str) -> bool:
-        """Delete a memory; leave a tombstone that corrects it, so a frozen snapshot that still holds it shows a
-        correction line until its next epoch. True when it was deleted, now or by an earlier attempt.
+        """Delete a memory and its corrections (theirs too: they restate it); leave a tombstone that corrects it, so
+        a frozen snapshot that still holds it shows a correction line until its next epoch. True when it was
+        deleted, now or by an earlier attempt.
 
         The tombstone names no session (a later purge of the deleting session must not bring the memory back).
         """
         tombstone = f"{WITHDRAWN_PREFIX}{memory_id}"
         async with self.pool.acquire() as conn, conn.transaction():
             if await conn.fetchval(SQL_DELETE_MEMORY, scope, memory_id):
+                await conn.execute(SQL_DELETE_CORRECTIONS, scope, memory_id)
                 text = f"withdrawn ({reason}); disregard this memory"
                 await conn.execute(SQL_WRITE_MEMORY, scope, tombstone, text, "USER", None, memory_id)
                 return True

@@ -238,3 +238,20 @@ async def test_a_fact_whose_memory_id_another_writer_took_is_not_reported_formed
         await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
         (candidate,) = [r for r in await store.candidates(handle.id) if r.fact_id == "f1"]
         assert not candidate.accepted and candidate.gate == "id_taken" and candidate.memory_id is None, candidate
+
+
+async def test_deleting_a_memory_deletes_its_corrections(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """`delete_memory` of a corrected memory deletes its corrections, and theirs: they restate what it said. Its
+    withdrawal stays (sessions whose snapshot holds it show it). Before, the corrections stayed in the scope,
+    recalled by any later session."""
+    scope = f"forget-{task_queue}"
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await _remember(store, scope, "m1", "The favourite colour is teal.")
+        await _remember(store, scope, "c1", "The favourite colour is navy, not teal.", corrects="m1")
+        await _remember(store, scope, "c2", "The favourite colour is navy blue.", corrects="c1")
+        await _remember(store, scope, "other", "The favourite food is soup.")
+        handle = await start(temporal_client, task_queue, session_open(memory_scope=scope))
+        await handle.execute_update(names.UPDATE_DELETE_MEMORY, {"memory_id": "m1", "reason": "obsolete"})
+        rows = await store.pool.fetch("SELECT memory_id FROM memories WHERE scope = $1", scope)
+        left = {r["memory_id"] for r in rows}
+        assert left == {"other", "withdrawn:m1"}, left
