@@ -14,6 +14,14 @@ HISTORY_CONTINUE_AS_NEW = 4_000  # between turns (or when Temporal suggests it f
 HISTORY_TURN_IN_CHILD = 5_000  # a turn starting later than this runs in a ChildRunWorkflow (a fresh history)
 HISTORY_ADMIT_LIMIT = 8_000  # validators refuse updates from here until the run has continued as new
 MAX_IN_FLIGHT_UPDATES = 10  # Temporal's per-workflow default (history.maxInFlightUpdates)
+# Temporal refuses a run's 2,001st update (history.maxTotalUpdates): a session continues as new between turns once a
+# run has taken UPDATES_CONTINUE_AS_NEW, and its validators refuse updates (retryably) from UPDATES_ADMIT_LIMIT.
+UPDATES_CONTINUE_AS_NEW = 1_000
+UPDATES_ADMIT_LIMIT = 1_900
+# Temporal refuses a payload over 2 MB (a continue-as-new input included, which would fail its workflow task for
+# good): the turn results and failures a session carries across continue-as-new are kept under this many bytes.
+CARRIED_RESULTS_BYTES = 512 * 1024
+REASON_CHARS = 500  # the longest `reason` an update takes
 
 # Upper bounds per unit, each with its workflow task: scheduled + started + completed (3) + the workflow task
 # that handles it (scheduled, started, completed: 3). Retries add no events; heartbeats add none.

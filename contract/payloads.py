@@ -11,6 +11,7 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from contract import bounds
 from core.budget import ContextBudget
 from core.estimator import DEFAULT_PROFILES, ModelProfile
 from core.plan import PlanSummary
@@ -184,6 +185,7 @@ class SessionOpen(_Input):
     # Temporal decodes typed arguments only when the payload count matches the signature.)
     carried: SessionState | None = None
     carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
+    carried_failures: dict[str, TurnFailure] = Field(default_factory=dict)  # recent update id -> how its turn failed
 
     @property
     def route(self) -> ModelRoute:
@@ -237,8 +239,8 @@ class TurnInput(_Input):
 class RevokeTool(_Input):
     """Update `revoke_tool`: the tool stays in the pinned prefix and its calls are denied."""
 
-    name: str
-    reason: str = "revoked by operator"
+    name: str = Field(max_length=64)
+    reason: str = Field(default="revoked by operator", max_length=bounds.REASON_CHARS)
 
 
 class RotateEpoch(_Input):
@@ -258,7 +260,7 @@ class WriteMemory(_Input):
 
 
 class CloseSession(_Input):
-    reason: str = "closed by caller"
+    reason: str = Field(default="closed by caller", max_length=bounds.REASON_CHARS)
 
 
 class GrantTool(_Input):
@@ -267,8 +269,8 @@ class GrantTool(_Input):
     The prefix is untouched (same prefix hash, no epoch). A tool that is not pinned needs an epoch rotation.
     """
 
-    name: str
-    reason: str = "granted by operator"
+    name: str = Field(max_length=64)
+    reason: str = Field(default="granted by operator", max_length=bounds.REASON_CHARS)
 
 
 class DeleteMemory(_Input):
@@ -276,7 +278,7 @@ class DeleteMemory(_Input):
     holds it keeps it until its next epoch, with a correction line saying it was withdrawn."""
 
     memory_id: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,100}$")
-    reason: str = Field(default="withdrawn by the user", max_length=500)
+    reason: str = Field(default="withdrawn by the user", max_length=bounds.REASON_CHARS)
 
 
 class MemoryDeleted(BaseModel):
@@ -301,6 +303,15 @@ class ToolCallOutcome(BaseModel):
     summary: str
     # The result inherits its call's taint: the call was written with untrusted content in view (docs/trust.md).
     tainted: bool = False
+
+
+class TurnFailure(BaseModel):
+    """How a turn failed, as its update answered: carried across continue-as-new, so a retry of its update id
+    gets the same answer there too (Temporal de-duplicates update ids within a run only)."""
+
+    type: str
+    message: str
+    details: list[Any] = Field(default_factory=list)
 
 
 class TurnResult(BaseModel):

@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         SealTurnInput,
         SessionOpen,
         SessionState,
+        TurnFailure,
         TurnInput,
         TurnResult,
         WorkingStateInput,
@@ -127,12 +128,20 @@ class SessionWorkflow:
             open_ = SessionOpen(agent_instructions="(start input refused)")
         carried = open_.carried
         self.continued = carried is not None
-        self.open: SessionOpen = open_.model_copy(update={"carried": None, "carried_results": {}})
+        self.open: SessionOpen = open_.model_copy(
+            update={"carried": None, "carried_results": {}, "carried_failures": {}}
+        )
         self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.route)
         if self.refused is not None:
             self.state.status = "failed"
         # Temporal de-duplicates update ids within a run only; recent results cross continue-as-new with us.
         self.results: dict[str, TurnResult] = dict(open_.carried_results)
+        self.failures: dict[str, TurnFailure] = dict(open_.carried_failures)
+        # Each carried answer's size, so what crosses continue-as-new stays under bounds.CARRIED_RESULTS_BYTES.
+        self.answer_bytes: dict[str, int] = {
+            key: len(answer.model_dump_json()) for key, answer in [*self.results.items(), *self.failures.items()]
+        }
+        self.updates_this_run = 0  # accepted updates, against Temporal's per-run limit (bounds.UPDATES_*)
         self.lock = asyncio.Lock()
         self.ready = carried is not None or self.refused is not None
         self.closing = False
@@ -168,7 +177,11 @@ class SessionWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self.state.status == "closed":
             return self.state
-        workflow.continue_as_new(self.open.model_copy(update={"carried": self.state, "carried_results": self.results}))
+        workflow.continue_as_new(
+            self.open.model_copy(
+                update={"carried": self.state, "carried_results": self.results, "carried_failures": self.failures}
+            )
+        )
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():
@@ -176,6 +189,8 @@ class SessionWorkflow:
         limit = self.open.continue_as_new_after_turns
         if limit is not None and self.state.turns - self.turns_at_start >= limit:
             return True
+        if self.updates_this_run >= bounds.UPDATES_CONTINUE_AS_NEW:
+            return True  # Temporal refuses a run's 2,001st update (contract/bounds.py)
         if workflow.info().get_current_history_length() >= bounds.HISTORY_CONTINUE_AS_NEW:
             return True  # our own bound, whatever the server's suggestion threshold (contract/bounds.py)
         return workflow.info().is_continue_as_new_suggested()
@@ -189,9 +204,13 @@ class SessionWorkflow:
     @workflow.update(name=names.UPDATE_SUBMIT_TURN)
     async def submit_turn(self, turn: TurnInput | None = None) -> TurnResult:
         turn = _given(turn, "submit_turn", TurnInput)
+        self.updates_this_run += 1
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         if update_id in self.results:
             return self.results[update_id]
+        failed = self.failures.get(update_id)
+        if failed is not None:  # a turn that failed in an earlier run: the same answer, not a new turn
+            raise ApplicationError(failed.message, *failed.details, type=failed.type, non_retryable=True)
         await workflow.wait_condition(lambda: self.ready)
         async with self.lock:
             if self.state.status != "open":
@@ -202,7 +221,9 @@ class SessionWorkflow:
             except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
                 if not workflow.patched(PATCH_FAILED_TURN):
                     raise
-                raise await self._turn_failed(self.state.turns, exc) from exc
+                failure = await self._turn_failed(self.state.turns, exc)
+                self._remember_failure(update_id, failure)
+                raise failure from exc
             self._remember(update_id, result)
             self._publish()
             return result
@@ -338,13 +359,23 @@ class SessionWorkflow:
 
     def _remember(self, update_id: str, result: TurnResult) -> None:
         self.results[update_id] = result
-        while len(self.results) > RECENT_UPDATES:
-            del self.results[next(iter(self.results))]
+        self._bound_answers(update_id, result)
+
+    def _remember_failure(self, update_id: str, failure: ApplicationError) -> None:
+        type_ = failure.type or retries.TURN_FAILED
+        answer = TurnFailure(type=type_, message=failure.message, details=[*failure.details])
+        self.failures[update_id] = answer
+        self._bound_answers(update_id, answer)
+
+    def _bound_answers(self, update_id: str, answer: TurnResult | TurnFailure) -> None:
+        self.answer_bytes[update_id] = len(answer.model_dump_json())
+        bound_answers(self.results, self.failures, self.answer_bytes)
 
     # ------------------------------------------------------------ other updates
     @workflow.update(name=names.UPDATE_REVOKE_TOOL)
     async def revoke_tool(self, req: RevokeTool | None = None) -> SessionState:
         req = _given(req, "revoke_tool", RevokeTool)
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("revoke_tool", [req.name])
@@ -358,6 +389,7 @@ class SessionWorkflow:
     def _validate_revoke(self, req: RevokeTool | None = None) -> None:
         req = _given(req, "revoke_tool", RevokeTool)
         self._validate_open()
+        self._validate_room()
         if self.ready:
             self._check_pinned("revoke_tool", [req.name])
         if req.name == CONTROL_TOOL_NAME:
@@ -367,6 +399,7 @@ class SessionWorkflow:
     async def grant_tool(self, req: GrantTool | None = None) -> SessionState:
         """Authorisation changes at call time both ways (ADR-0020 decision 4): the prefix is untouched."""
         req = _given(req, "grant_tool", GrantTool)
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         self._check_grantable(req.name)
         self.state.revoked_tools.pop(req.name, None)
@@ -382,6 +415,7 @@ class SessionWorkflow:
     def _validate_grant(self, req: GrantTool | None = None) -> None:
         req = _given(req, "grant_tool", GrantTool)
         self._validate_open()
+        self._validate_room()
         if self.ready:
             self._check_grantable(req.name)
 
@@ -399,6 +433,7 @@ class SessionWorkflow:
     async def update_working_state(self, req: WorkingStateUpdate | None = None) -> WorkingStateResult:
         """Runtime writes to the working state (ADR-0020 decision 14), between turns: serialised with them."""
         req = _given(req, "update_working_state", WorkingStateUpdate)
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         async with self.lock:
@@ -428,10 +463,12 @@ class SessionWorkflow:
     def _validate_working_state(self, req: WorkingStateUpdate | None = None) -> None:
         req = _given(req, "update_working_state", WorkingStateUpdate)
         self._validate_open()
+        self._validate_room()
 
     @workflow.update(name=names.UPDATE_DELETE_MEMORY)
     async def delete_memory(self, req: DeleteMemory | None = None) -> MemoryDeleted:
         req = _given(req, "delete_memory", DeleteMemory)
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
@@ -457,10 +494,12 @@ class SessionWorkflow:
     def _validate_delete_memory(self, req: DeleteMemory | None = None) -> None:
         req = _given(req, "delete_memory", DeleteMemory)
         self._validate_open()
+        self._validate_room()
 
     @workflow.update(name=names.UPDATE_ROTATE_EPOCH)
     async def rotate_epoch(self, req: RotateEpoch | None = None) -> SessionState:
         req = _given(req, "rotate_epoch", RotateEpoch)
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("rotate_epoch", req.revoke_tools)
@@ -509,6 +548,7 @@ class SessionWorkflow:
     def _validate_rotate(self, req: RotateEpoch | None = None) -> None:
         req = _given(req, "rotate_epoch", RotateEpoch)
         self._validate_open()
+        self._validate_room()
         if req.reason == "model_route_changed" and req.model_route is None:
             raise _refused("rotate_epoch: reason model_route_changed needs model_route")
         if req.reason == "forced_revocation" and not req.revoke_tools:
@@ -541,6 +581,7 @@ class SessionWorkflow:
     @workflow.update(name=names.UPDATE_WRITE_MEMORY)
     async def write_memory(self, req: WriteMemory | None = None) -> MemoryResult:
         req = _given(req, "write_memory", WriteMemory)
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
@@ -580,6 +621,7 @@ class SessionWorkflow:
     @workflow.update(name=names.UPDATE_CLOSE_SESSION)
     async def close_session(self, req: CloseSession | None = None) -> SessionState:
         req = _given(CloseSession() if req is None else req, "close_session", CloseSession)  # none: the defaults
+        self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
         # Two closes accepted in one workflow task both pass the validator: only the first closes.
         if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
@@ -635,8 +677,12 @@ class SessionWorkflow:
             raise ApplicationError("the session failed to open", type="SessionNotOpen", non_retryable=True)
 
     def _validate_room(self) -> None:
-        """Refused while the run's history is long and waits to continue as new (contract/bounds.py)."""
-        if workflow.info().get_current_history_length() >= bounds.HISTORY_ADMIT_LIMIT:
+        """Refused while the run's history, or its count of updates, is long and waits to continue as new
+        (contract/bounds.py)."""
+        if (
+            workflow.info().get_current_history_length() >= bounds.HISTORY_ADMIT_LIMIT
+            or self.updates_this_run >= bounds.UPDATES_ADMIT_LIMIT
+        ):
             raise ValueError("the session is continuing as new (its history is long); retry in a few seconds")
 
     # ------------------------------------------------------------ helpers
@@ -693,6 +739,29 @@ class SessionWorkflow:
                         SA_PREFIX.value_set(hashes[-1]),
                     ]
                 )
+
+
+def bound_answers(
+    results: dict[str, TurnResult],
+    failures: dict[str, TurnFailure],
+    sizes: dict[str, int],
+    *,
+    count: int = RECENT_UPDATES,
+    max_bytes: int = bounds.CARRIED_RESULTS_BYTES,
+) -> None:
+    """Trim the recent answers a session carries across continue-as-new, in place: at most `count` results and as
+    many failures, and under `max_bytes` together by `sizes` (each answer's JSON size), the oldest dropped first.
+    A continue-as-new input over Temporal's 2 MB payload limit would fail its workflow task for good."""
+    for answers in (results, failures):
+        while len(answers) > count:
+            dropped = next(iter(answers))
+            del answers[dropped]
+            sizes.pop(dropped, None)
+    while sum(sizes.values()) > max_bytes and len(sizes) > 1:
+        oldest = next(iter(sizes))
+        del sizes[oldest]
+        results.pop(oldest, None)
+        failures.pop(oldest, None)
 
 
 def _start_input(start: RawValue) -> SessionOpen | Exception:

@@ -390,3 +390,39 @@ async def test_a_rotation_to_a_route_the_budget_does_not_fit_is_refused_at_once(
         assert "output_reserve" in str(cause) and "OpenInput" not in str(cause), cause
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.epoch == 1
+
+
+async def test_a_failed_turn_keeps_its_answer_across_continue_as_new(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A turn fails (TurnTooLarge); the session continues as new; the caller retries with the same update id. The
+    retry gets the same failure, naming the same turn, and takes no new turn. Before, only results crossed
+    continue-as-new: the retry ran the turn again as a new turn (turn 3, 4, ...), over the message logged by the
+    first attempt."""
+    open_ = session_open(continue_as_new_after_turns=1, budget={"context_window": 8_000, "output_reserve": 500})
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, open_)
+        await turn(handle, "hello")
+        latest = temporal_client.get_workflow_handle(handle.id)
+        second = await _next_run(latest, handle.result_run_id)
+        too_large = {"text": "word " * 15_000}  # about 15,000 tokens: no 8,000-token window takes it
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await latest.execute_update(names.UPDATE_SUBMIT_TURN, too_large, id="big-1")
+        failed = str(info.value.cause)
+        assert "turn 2 failed" in failed and getattr(info.value.cause, "type", None) == "TurnTooLarge", failed
+        await _next_run(latest, second)
+        with pytest.raises(WorkflowUpdateFailedError) as again:
+            await latest.execute_update(names.UPDATE_SUBMIT_TURN, too_large, id="big-1")
+        assert str(again.value.cause) == failed and getattr(again.value.cause, "type", None) == "TurnTooLarge"
+        state = await latest.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.turns == 2, state.turns
+
+
+async def _next_run(handle: WorkflowHandle[Any, Any], run_id: str | None) -> str:
+    """The id of the run after `run_id`, once the session has continued as new."""
+    for _ in range(200):
+        current = (await handle.describe()).run_id
+        if current != run_id:
+            return current
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the session did not continue as new from run {run_id}")

@@ -10,7 +10,21 @@ from pydantic import ValidationError
 
 from activities.failures import MAX_MESSAGE_CHARS, classify
 from contract import bounds
-from contract.payloads import MAX_TOOL_CALLS_PER_REPLY, MAX_TOOL_CALLS_PER_TURN, SessionOpen
+from contract.payloads import (
+    MAX_TOOL_CALLS_PER_REPLY,
+    MAX_TOOL_CALLS_PER_TURN,
+    CloseSession,
+    DeleteMemory,
+    GrantTool,
+    RevokeTool,
+    SessionOpen,
+    ToolCallOutcome,
+    TurnFailure,
+    TurnResult,
+)
+from core.items import BudgetClass
+from core.plan import PlanStatus, PlanSummary
+from workflows.session import bound_answers
 
 
 class TestHistoryBound:
@@ -60,3 +74,64 @@ class TestClassify:
         """The failure message starts with the cause and fits far inside Temporal's failure limit."""
         failure = classify(ValueError("x" * size))
         assert failure.message.startswith("ValueError: x") and len(failure.message) <= MAX_MESSAGE_CHARS
+
+
+def _largest_turn_result(turn: int) -> TurnResult:
+    """A turn result as large as a turn can make it: the most tool calls, each with the longest name and summary."""
+    plan = PlanSummary(
+        epoch=1,
+        prefix_sha256="p" * 64,
+        request_sha256="r" * 64,
+        status=PlanStatus.FITS,
+        deficit_tokens=0,
+        estimated_tokens=100_000,
+        raw_tokens=100_000,
+        input_limit=120_000,
+        prefix_tokens=9_000,
+        body_tokens=91_000,
+        tokens_by_class={c.value: 1_000 for c in BudgetClass},
+        segments=2_000,
+        pointers=256,
+    )
+    call = ToolCallOutcome(
+        name="n" * 64, call_id="c" * 40, allowed=True, is_error=False, trust="EXTERNAL_UNTRUSTED", summary="s" * 120
+    )
+    calls = [call.model_copy(update={"call_id": f"{turn}-{i}"}) for i in range(MAX_TOOL_CALLS_PER_TURN)]
+    return TurnResult(turn=turn, epoch=1, text="t" * 8_000, prefix_sha256="p" * 64, plan=plan, tool_calls=calls)
+
+
+class TestCarriedAnswers:
+    def test_the_continue_as_new_input_stays_under_temporals_payload_limit(self) -> None:
+        """Thirty-two results of the largest turn a session allows, and thirty-two failures with the longest
+        reasons, would pass Temporal's 2 MB payload limit in the continue-as-new input (its workflow task would
+        then fail for good: the session wedged). `bound_answers` keeps them under CARRIED_RESULTS_BYTES, dropping
+        the oldest, and the newest answer is always kept."""
+        results: dict[str, TurnResult] = {}
+        failures: dict[str, TurnFailure] = {}
+        sizes: dict[str, int] = {}
+        for turn in range(1, 65):
+            key = f"k{turn}"
+            if turn % 2:
+                results[key] = _largest_turn_result(turn)
+                sizes[key] = len(results[key].model_dump_json())
+            else:
+                failures[key] = TurnFailure(type="TurnTooLarge", message="m" * 2_000, details=[{"x": "d" * 2_000}])
+                sizes[key] = len(failures[key].model_dump_json())
+            bound_answers(results, failures, sizes)
+            assert key in results or key in failures
+        unbounded = 32 * len(_largest_turn_result(0).model_dump_json())
+        assert unbounded > 2 * 1024 * 1024  # what the count bound alone let through
+        carried = SessionOpen(agent_instructions="x", carried_results=results, carried_failures=failures)
+        assert len(carried.model_dump_json()) <= bounds.CARRIED_RESULTS_BYTES + 10_000
+        assert sum(sizes.values()) <= bounds.CARRIED_RESULTS_BYTES
+        assert set(sizes) == set(results) | set(failures) and "k64" in failures and "k63" in results
+
+    def test_reasons_are_capped(self) -> None:
+        """A `reason` longer than REASON_CHARS is refused at the door: two revocations with 1 MB reasons carried
+        the session's state past Temporal's payload limit."""
+        for model in (RevokeTool, GrantTool, CloseSession, DeleteMemory):
+            fields = {"name": "web.fetch"} if model in (RevokeTool, GrantTool) else {}
+            fields |= {"memory_id": "m1"} if model is DeleteMemory else {}
+            model.model_validate({**fields, "reason": "r" * bounds.REASON_CHARS})
+            with pytest.raises(ValidationError):
+                model.model_validate({**fields, "reason": "r" * (bounds.REASON_CHARS + 1)})
