@@ -426,3 +426,27 @@ async def _next_run(handle: WorkflowHandle[Any, Any], run_id: str | None) -> str
             return current
         await asyncio.sleep(0.05)
     raise AssertionError(f"the session did not continue as new from run {run_id}")
+
+
+async def test_a_run_continues_as_new_before_temporals_update_limit(
+    temporal_client: Client, pg_dsn: str, task_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temporal refuses a run's 2,001st update. A session continues as new between turns once its run has taken
+    `bounds.UPDATES_CONTINUE_AS_NEW` updates (1,000; 20 here, set in this process, where the test's worker runs:
+    1,000 updates take over a minute on a loaded machine), so a caller flooding it with small updates never meets
+    that refusal. Before, only history length and Temporal's suggestion triggered it: 2,000 grants, a few events
+    each, left a run at about 5,000 events, and the next 727 updates failed."""
+    from contract.payloads import GrantTool
+
+    assert bounds.UPDATES_CONTINUE_AS_NEW < bounds.UPDATES_ADMIT_LIMIT < 2_000
+    monkeypatch.setattr(bounds, "UPDATES_CONTINUE_AS_NEW", 20)
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        latest = temporal_client.get_workflow_handle(handle.id)
+        first = (await latest.describe()).run_id
+        grant = GrantTool(name="notes.save")
+        for _ in range(2):
+            await asyncio.gather(*(latest.execute_update(names.UPDATE_GRANT_TOOL, grant) for _ in range(10)))
+        assert await _next_run(latest, first) != first
+        assert (await turn(latest, "after the flood")).turn == 2
