@@ -186,6 +186,7 @@ class SessionOpen(_Input):
     carried: SessionState | None = None
     carried_results: dict[str, TurnResult] = Field(default_factory=dict)  # recent update id -> its result
     carried_failures: dict[str, TurnFailure] = Field(default_factory=dict)  # recent update id -> how its turn failed
+    carried_update_ids: list[str] = Field(default_factory=list)  # recent rotate/revoke/grant update ids, applied
 
     @property
     def route(self) -> ModelRoute:

@@ -129,7 +129,7 @@ class SessionWorkflow:
         carried = open_.carried
         self.continued = carried is not None
         self.open: SessionOpen = open_.model_copy(
-            update={"carried": None, "carried_results": {}, "carried_failures": {}}
+            update={"carried": None, "carried_results": {}, "carried_failures": {}, "carried_update_ids": []}
         )
         self.state = carried or SessionState(session_id=workflow.info().workflow_id, model_route=open_.route)
         if self.refused is not None:
@@ -142,6 +142,9 @@ class SessionWorkflow:
             key: len(answer.model_dump_json()) for key, answer in [*self.results.items(), *self.failures.items()]
         }
         self.updates_this_run = 0  # accepted updates, against Temporal's per-run limit (bounds.UPDATES_*)
+        # rotate_epoch, revoke_tool and grant_tool update ids already applied, carried too: a retry in a later run
+        # answers with the state instead of applying again (a second epoch, for a rotation).
+        self.applied: dict[str, None] = dict.fromkeys(open_.carried_update_ids)
         self.lock = asyncio.Lock()
         self.ready = carried is not None or self.refused is not None
         self.closing = False
@@ -179,7 +182,12 @@ class SessionWorkflow:
             return self.state
         workflow.continue_as_new(
             self.open.model_copy(
-                update={"carried": self.state, "carried_results": self.results, "carried_failures": self.failures}
+                update={
+                    "carried": self.state,
+                    "carried_results": self.results,
+                    "carried_failures": self.failures,
+                    "carried_update_ids": list(self.applied),
+                }
             )
         )
 
@@ -377,8 +385,11 @@ class SessionWorkflow:
         req = _given(req, "revoke_tool", RevokeTool)
         self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
+        if self._applied_before():
+            return self.state
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("revoke_tool", [req.name])
+        self._mark_applied()
         self.state.revoked_tools[req.name] = req.reason
         if self.child is not None:  # a turn running in a child run authorises against its own copy
             await self._forward(ChildRunWorkflow.revoke_tool, req)
@@ -401,7 +412,10 @@ class SessionWorkflow:
         req = _given(req, "grant_tool", GrantTool)
         self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
+        if self._applied_before():
+            return self.state
         self._check_grantable(req.name)
+        self._mark_applied()
         self.state.revoked_tools.pop(req.name, None)
         left_out = self.open.grants is not None and req.name not in self.open.grants
         if left_out and req.name not in self.state.granted_tools:
@@ -501,6 +515,8 @@ class SessionWorkflow:
         req = _given(req, "rotate_epoch", RotateEpoch)
         self.updates_this_run += 1
         await workflow.wait_condition(lambda: self.ready)
+        if self._applied_before():
+            return self.state
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("rotate_epoch", req.revoke_tools)
         async with self.lock:
@@ -521,6 +537,7 @@ class SessionWorkflow:
             self.state.epoch = new
             self.state.prefix_hashes[str(new)] = [opened.prefix_sha256]
             self.state.metrics.epochs += 1
+            self._mark_applied()
             await workflow.execute_activity_method(
                 SessionActivityCalls.record_event,
                 EventInput(
@@ -568,6 +585,16 @@ class SessionWorkflow:
                         if error["loc"][0] == "model_route":
                             msg = ".".join(str(p) for p in error["loc"]) + f": {msg}"
                         raise _refused(f"rotate_epoch: with this model_route, {msg}") from None
+
+    def _applied_before(self) -> bool:
+        """Whether this update's id was applied in an earlier run (Temporal de-duplicates within a run only)."""
+        return workflow.current_update_info().id in self.applied  # type: ignore[union-attr]
+
+    def _mark_applied(self) -> None:
+        """Remember this update's id, across continue-as-new too: the last RECENT_UPDATES ids are kept."""
+        self.applied[workflow.current_update_info().id] = None  # type: ignore[union-attr]
+        while len(self.applied) > RECENT_UPDATES:
+            del self.applied[next(iter(self.applied))]
 
     def _check_pinned(self, update: str, tools: list[str]) -> None:
         """Tool names an update names must be in the session's pinned tool set (known once the session opened)."""

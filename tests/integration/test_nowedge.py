@@ -450,3 +450,31 @@ async def test_a_run_continues_as_new_before_temporals_update_limit(
             await asyncio.gather(*(latest.execute_update(names.UPDATE_GRANT_TOOL, grant) for _ in range(10)))
         assert await _next_run(latest, first) != first
         assert (await turn(latest, "after the flood")).turn == 2
+
+
+async def test_a_rotation_retried_after_continue_as_new_rotates_once(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A `rotate_epoch` retried with the same update id after the session continued as new answers with the
+    state and rotates nothing; a `revoke_tool` retried so applies nothing either. Before, Temporal's
+    de-duplication (within a run) was all there was: the retry opened another epoch, and a prefix cache miss."""
+    from contract.payloads import GrantTool, RevokeTool, RotateEpoch
+
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, session_open(continue_as_new_after_turns=1))
+        await turn(handle, "hello")
+        latest = temporal_client.get_workflow_handle(handle.id)
+        second = await _next_run(latest, handle.result_run_id)
+        rotation = RotateEpoch(reason="provider_routing_changed")
+        rotated = await latest.execute_update(names.UPDATE_ROTATE_EPOCH, rotation, id="rot-1", result_type=SessionState)
+        assert rotated.epoch == 2
+        await latest.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"), id="rev-1")
+        await latest.execute_update(names.UPDATE_GRANT_TOOL, GrantTool(name="notes.save"), id="grant-1")
+        await turn(latest, "the second turn")
+        await _next_run(latest, second)
+        again = await latest.execute_update(names.UPDATE_ROTATE_EPOCH, rotation, id="rot-1", result_type=SessionState)
+        assert again.epoch == 2 and again.metrics.epochs == 2
+        revoked = await latest.execute_update(
+            names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"), id="rev-1", result_type=SessionState
+        )
+        assert "notes.save" not in revoked.revoked_tools  # the grant after it stands
