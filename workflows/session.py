@@ -475,7 +475,7 @@ class SessionWorkflow:
 
     @update_working_state.validator
     def _validate_working_state(self, req: WorkingStateUpdate | None = None) -> None:
-        req = _given(req, "update_working_state", WorkingStateUpdate)
+        _given(req, "update_working_state", WorkingStateUpdate)
         self._validate_open()
         self._validate_room()
 
@@ -506,7 +506,7 @@ class SessionWorkflow:
 
     @delete_memory.validator
     def _validate_delete_memory(self, req: DeleteMemory | None = None) -> None:
-        req = _given(req, "delete_memory", DeleteMemory)
+        _given(req, "delete_memory", DeleteMemory)
         self._validate_open()
         self._validate_room()
 
