@@ -396,4 +396,9 @@ MIGRATIONS: tuple[str, ...] = (
         SELECT 1 FROM item_blocks b WHERE b.session_id = i.session_id AND b.first_seq = i.seq - i.seq % {ITEM_BLOCK}
       );
     """,
+    # 11: a memory's corrections, latest first: its correction line, and recall of a corrected memory (its latest).
+    """
+    CREATE INDEX IF NOT EXISTS memories_corrects ON memories (scope, corrects, created_at DESC, memory_id DESC)
+        WHERE corrects IS NOT NULL;
+    """,
 )

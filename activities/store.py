@@ -393,11 +393,29 @@ ON CONFLICT (scope, memory_id) DO NOTHING"""
 SQL_SNAPSHOT = """
 SELECT memory_id, text, trust FROM memories WHERE scope = $1 AND corrects IS NULL
 ORDER BY created_at, memory_id LIMIT $2"""
-SQL_SEARCH = """
-SELECT memory_id, text, trust, ts_rank(tsv, q) AS rank
-FROM memories, websearch_to_tsquery('english', $2) AS q
-WHERE scope = $1 AND tsv @@ q AND NOT (memory_id = ANY($3::text[])) AND NOT starts_with(memory_id, 'withdrawn:')
-ORDER BY rank DESC, memory_id LIMIT $4"""
+
+
+def recall_sql(scope: str, terms: str, exclude: str, limit: str) -> str:
+    """The scope's memories matching `terms`, best first, at most `limit`, none of `exclude` (the snapshot's, in view):
+    (memory_id, text, trust, rank). A memory that has corrections is recalled as its latest one (as a snapshot
+    memory's correction line is), so a corrected fact never comes back with its old text; a match on a memory and on
+    its correction is recalled once."""
+    return f"""
+SELECT memory_id, text, trust, rank FROM (
+    SELECT DISTINCT ON (coalesce(fix.memory_id, m.memory_id)) coalesce(fix.memory_id, m.memory_id) AS memory_id,
+           coalesce(fix.text, m.text) AS text, coalesce(fix.trust, m.trust) AS trust, ts_rank(m.tsv, q) AS rank
+    FROM memories m CROSS JOIN websearch_to_tsquery('english', {terms}) AS q
+    LEFT JOIN LATERAL (
+        SELECT c.memory_id, c.text, c.trust FROM memories c WHERE c.scope = m.scope AND c.corrects = m.memory_id
+        ORDER BY c.created_at DESC, c.memory_id DESC LIMIT 1
+    ) fix ON true
+    WHERE m.scope = {scope} AND m.tsv @@ q AND NOT (m.memory_id = ANY({exclude}))
+      AND NOT starts_with(m.memory_id, 'withdrawn:')
+    ORDER BY coalesce(fix.memory_id, m.memory_id), ts_rank(m.tsv, q) DESC
+) hits ORDER BY rank DESC, memory_id LIMIT {limit}"""
+
+
+SQL_SEARCH = recall_sql("$1", "$2", "$3::text[]", "$4")
 # A memory's correction line is its latest correction (a later one supersedes an earlier one; a withdrawal is a
 # correction): one line per corrected snapshot memory, however many corrections its scope holds.
 SQL_CORRECTIONS = """
@@ -441,12 +459,10 @@ SQL_TURN_READS = _with_blocks(
   CASE WHEN $5::text IS NOT NULL THEN (
     SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', r.memory_id, 'text', r.text, 'trust', r.trust)
                               ORDER BY r.rank DESC, r.memory_id), '[]')
-    FROM (SELECT m.memory_id, m.text, m.trust, ts_rank(m.tsv, q) AS rank
-          FROM memories m, websearch_to_tsquery('english', $5::text) AS q
-          WHERE m.scope = s.open->>'memory_scope' AND m.tsv @@ q AND NOT (m.memory_id = ANY(snap.ids))
-            AND NOT starts_with(m.memory_id, 'withdrawn:')
-          ORDER BY rank DESC, m.memory_id LIMIT $6) r
-  ) END AS recall""".replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS),
+    FROM ({RECALL}) r
+  ) END AS recall""".replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS).replace(
+        "{RECALL}", recall_sql("s.open->>'memory_scope'", "$5::text", "snap.ids", "$6")
+    ),
     """FROM sessions s
 LEFT JOIN LATERAL ({LATEST_CHECKPOINT}) cp ON true
 {LIVE_LOG}

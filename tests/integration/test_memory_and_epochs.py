@@ -221,6 +221,33 @@ async def _remember(store: Store, scope: str, memory_id: str, text: str, correct
     await store.write_memory(scope, memory_id, text, trust="USER", session_id=None, corrects=corrects)
 
 
+async def test_a_corrected_memory_is_recalled_as_its_latest_correction(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A memory outside the snapshot (written after the session opened) matches the turn's message; it has been
+    corrected twice, and the corrections' words do not match. Recall shows the latest correction, once. Before,
+    recall showed the memory's old text: the session was told the code it had been told was wrong."""
+    scope = f"recall-{task_queue}"
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, session_open(memory_scope=scope))
+        await turn(handle, "hello")
+        await _remember(store, scope, "gate", "The parking garage gate code is 4411.")
+        await _remember(store, scope, "fix1", "It changed to 5522 in March.", corrects="gate")
+        await _remember(store, scope, "fix2", "It changed to 9090 in May.", corrects="gate")
+        answered = await turn(handle, "what is the parking garage gate code?")
+        request = await store.get_request(answered.plan.request_sha256)
+        assert request is not None
+        recalled = [s["text"] for s in request.body if s["kind"] == "recall"]
+        assert len(recalled) == 1 and "9090" in recalled[0], recalled
+        assert not any("4411" in s["text"] for s in request.body)
+        # The same search when the build looks the message up after its read (a retry, another worker).
+        rows = await store.search_memories(scope, "parking garage gate code", limit=5)
+        assert [(r.memory_id, r.text) for r in rows] == [("fix2", "It changed to 9090 in May.")]
+        # A match on the memory and on its latest correction is recalled once.
+        rows = await store.search_memories(scope, "parking garage code 9090 May", limit=5)
+        assert [r.memory_id for r in rows] == ["fix2"]
+
+
 async def test_a_fact_whose_memory_id_another_writer_took_is_not_reported_formed(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
