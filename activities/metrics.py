@@ -76,9 +76,9 @@ def record_event(type_: EventType, payload: dict[str, Any]) -> None:
         _counter(meter, "ctxengine_cached_tokens", "Cached input tokens reported by providers", "tokens").add(
             int(payload.get("cached_tokens", 0))
         )
-        _counter(meter, "ctxengine_prefix_tokens_reused", "Prefix tokens of requests after the first", "tokens").add(
-            int(payload.get("prefix_tokens_reused", 0))
-        )
+        _counter(
+            meter, "ctxengine_prefix_tokens_reused", "Prefix tokens the provider read from its cache", "tokens"
+        ).add(int(payload.get("prefix_tokens_reused", 0)))
         _histogram(meter, "ctxengine_estimator_error_tokens", "Estimate minus actual, when not an overrun").record(
             max(error, 0)
         )

@@ -130,10 +130,8 @@ class ModelCallActivities(ModelCalls):
         payload = {
             **rec.model_dump(mode="json"),
             "cached_tokens": usage.cached_tokens,
-            # the first request of an epoch writes the cache; later ones reuse the whole prefix
-            "prefix_tokens_reused": 0
-            if (inp.turn, inp.call_index) == (1, 0)
-            else min(record.plan["prefix_tokens"], usage.input_tokens),
+            # the prefix's tokens the provider read from its cache (workflows.turn counts the same)
+            "prefix_tokens_reused": min(record.plan["prefix_tokens"], usage.cached_tokens),
         }
         # Everything the model wrote in reply to a request with untrusted content in view may repeat or obey it.
         tainted = self.reply_tainted(record.plan)

@@ -333,7 +333,7 @@ class SessionMetrics(BaseModel):
     estimator_overruns: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
-    prefix_tokens_reused: int = 0
+    prefix_tokens_reused: int = 0  # per request, the provider's cached tokens up to the prefix's size
     compactions: int = 0
     max_summary_depth: int = 0
     escalations: int = 0
@@ -341,7 +341,8 @@ class SessionMetrics(BaseModel):
 
     @property
     def cache_efficiency(self) -> float:
-        return self.prefix_tokens_reused / self.input_tokens if self.input_tokens else 0.0
+        """The share of input tokens the provider reported read from its cache (`ctxengine inspect`'s figure)."""
+        return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
 class SessionState(BaseModel):

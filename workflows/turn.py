@@ -248,5 +248,6 @@ class TurnRunner:
         m.cached_tokens += model.cached_tokens
         m.estimator_error_tokens += model.estimated_tokens - model.input_tokens
         m.estimator_overruns += int(model.overrun)
-        if m.requests > 1:  # the first request of a session writes the cache; later ones reuse the prefix
-            m.prefix_tokens_reused += min(plan.prefix_tokens, model.input_tokens)
+        # What the provider says it read from its cache, as far as the prefix goes (its cache starts at the
+        # request's first byte): measured, never assumed (an epoch's first request, a cache the provider dropped).
+        m.prefix_tokens_reused += min(plan.prefix_tokens, model.cached_tokens)

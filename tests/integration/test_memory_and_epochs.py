@@ -68,6 +68,33 @@ async def test_correction_of_snapshot_memory(temporal_client: Client, pg_dsn: st
         assert "Bergen" in prefix and "Oslo" not in prefix
 
 
+async def test_prefix_reuse_is_what_the_provider_read_from_its_cache(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """The prefix tokens a session counts as reused are, per request, the cached tokens the provider reported, up
+    to the prefix's size: none for the first request of an epoch whose prefix is new. Before, every
+    request after the session's first counted its whole prefix, the first request of a new epoch too, and a
+    provider that cached nothing still gave a cache efficiency of 0.7."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        await turn(handle, "again")
+        await handle.execute_update(
+            names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="forced_revocation", revoke_tools=["web.fetch"])
+        )
+        await turn(handle, "after the rotation")
+        records = sorted(await store.records(handle.id), key=lambda r: (r.turn, r.call_index))
+        assert records[2].epoch == 2 and records[2].cached_tokens == 0  # a new prefix: nothing cached
+        reused = [min(r.plan["prefix_tokens"], r.cached_tokens or 0) for r in records]
+        assert reused[0] == reused[2] == 0 and reused[1] > 0, reused
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        m = state.metrics
+        assert m.prefix_tokens_reused == sum(reused) and m.cached_tokens == sum(r.cached_tokens or 0 for r in records)
+        assert m.cache_efficiency == m.cached_tokens / m.input_tokens
+        events = [e.payload for e in await store.events(handle.id) if e.type == "context.estimator.reconciled"]
+        assert sorted(e["prefix_tokens_reused"] for e in events) == sorted(reused)
+
+
 async def test_epoch_rotation(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """rotate_epoch opens a new prefix, emits context.epoch.rotated with the reason, and counts epochs."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
