@@ -123,8 +123,9 @@ def cache_breakpoints(body: Sequence[ProviderSegment]) -> set[int]:
     - The last segment of the append-only history: the next request extends it, so it reads all of it.
     - The segment just before the first full `tool_result`: yield 2 turns tool results into pointers
       oldest first (core/build.py), so everything before the first full result stays byte-identical until
-      the next compaction, while a conversion rewrites what follows. A read then stops there, not at the
-      end of Region A (Anthropic finds an entry only at a breakpoint or up to 20 blocks before one).
+      the next compaction, while a conversion rewrites what follows. A request that converts finds the
+      previous request's mark there through Anthropic's lookback (an entry up to about 20 blocks before a
+      breakpoint); under the strict rule it reads Region A (docs/providers.md, breakpoint 3).
     """
     marks: set[int] = set()
     end = history_breakpoint(body)

@@ -50,6 +50,7 @@ from core.plan import SEGMENT
 from core.rendering import parse_envelopes, unescape_content
 from core.working_state import CONTROL_TOOL_DESCRIPTION, CONTROL_TOOL_NAME, control_tool_schema
 from harness.attack_corpus import ATTACKS
+from harness.bench.cache_bench import ANTHROPIC_LOOKBACK_BLOCKS, AnthropicCache
 from harness.protocol_servers import prompt_elements
 from tests.integration.fake_llm_servers import (
     FakeServer,
@@ -503,6 +504,43 @@ class TestAnthropicWire:
 
         assert [content(b) for b in after[: frontier + 1]] == [content(b) for b in before[: frontier + 1]]
         assert after[frontier + 1]["type"] == "tool_result" and "elided" in after[frontier + 1]["content"]
+
+    async def test_a_request_that_converts_results_reads_the_old_frontier_through_the_lookback(
+        self, anthropic_srv: FakeServer
+    ) -> None:
+        """What docs/providers.md says of breakpoint 3, priced by the cache bench's models: with Anthropic's
+        documented lookback, a request that turns results into pointers reads the history up to the previous
+        request's frontier (more than Region A); under the strict rule it reads Region A alone (the previous
+        request's marks all lie past the first converted result, and this request's frontier is new)."""
+        session = Session(
+            anthropic_provider(anthropic_srv),
+            "anthropic",
+            budget=ContextBudget(tool_results_share=0.001),  # room for about one result
+            fetched=INJECTION + " filler" * 150,
+        )
+        queue = anthropic_tool_call(anthropic_srv)
+        for n in range(6):
+            queue(f"call_fetch_{n}", "web__fetch", {"url": f"https://example.com/{n}"})
+            await session.turn_(f"Fetch page {n}.")
+        count = TiktokenCounter().count
+        reads: dict[int, list[int]] = {}
+        for lookback in (0, ANTHROPIC_LOOKBACK_BLOCKS):
+            model = AnthropicCache(count, lookback=lookback)
+            reads[lookback] = []
+            for received in anthropic_srv.requests:
+                before = model.bill.cached_tokens
+                model.send(received.body)
+                reads[lookback].append(model.bill.cached_tokens - before)
+        probe = AnthropicCache(count, lookback=0)  # what a read of Region A alone is: the same tools and system
+        first = anthropic_srv.requests[0].body
+        probe.send(first)
+        probe.send({**first, "messages": [{"role": "user", "content": [{"type": "text", "text": "another"}]}]})
+        region_a = probe.bill.cached_tokens
+        converting = [k for k in range(1, len(session.yields)) if session.yields[k] > session.yields[k - 1]]
+        assert len(converting) >= 4, session.yields
+        assert all(reads[ANTHROPIC_LOOKBACK_BLOCKS][k] > region_a for k in converting), (reads, region_a)
+        assert all(reads[0][k] == region_a for k in converting), (reads, region_a)
+
 
     async def test_roles_alternate_and_tool_pairs_stay_whole(self, anthropic_srv: FakeServer) -> None:
         """Same-role segments merge into one message; tool_use ids are answered by tool_result blocks first."""
