@@ -21,11 +21,14 @@ confusables table (through ``confusable_homoglyphs``). See ``docs/rendering-cont
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import re
 import unicodedata
 from collections.abc import Iterable
+from itertools import accumulate
+from typing import NamedTuple
 
 from confusable_homoglyphs.confusables import confusables_data
 from pydantic import BaseModel, ConfigDict
@@ -51,7 +54,7 @@ __all__ = [
 NONCE_HEX_CHARS = 24
 """Length of a nonce made by :func:`derive_nonce` (96 bits of HMAC-SHA256)."""
 
-ESCAPING_RULES_VERSION = "fidelity-3"
+ESCAPING_RULES_VERSION = "fidelity-4"
 """Version tag of the escaping rules, hashed into :data:`ESCAPING_FINGERPRINT`. Bump it whenever the rules
 change what :func:`escape_content` emits, so the prefix epoch rotates on upgrade."""
 
@@ -215,13 +218,30 @@ def _homoglyph_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]], frozenset[str]]:
-    """Scan the code space once: invisible characters, NFKD/name look-alikes, NFKC letter folds, and the
-    characters named as colons (`_COLON_NAME_RE`)."""
+_COMPAT_TARGETS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>[]|_:")
+"""ASCII characters a marker is spelled with: a compatibility character whose NFKC form holds one of them may
+spell a marker in that form (`_compat_markers`)."""
+
+
+class _Scan(NamedTuple):
+    invisible: frozenset[str]
+    lookalike: frozenset[str]
+    folds: dict[str, set[str]]
+    colons: frozenset[str]
+    compat: dict[str, str]  # character -> its NFKC form, for forms holding a `_COMPAT_TARGETS` character
+    marks: frozenset[str]  # combining marks (Mn, Me): NFC composes some with `<` or `>` (U+0338: `≮`, `≯`)
+
+
+def _scan() -> _Scan:
+    """Scan the code space once: invisible characters, NFKD/name look-alikes, NFKC letter folds, the characters
+    named as colons (`_COLON_NAME_RE`), compatibility characters that spell ASCII letters or marker punctuation,
+    and combining marks."""
     invisible: set[str] = {chr(cp) for lo, hi in _IGNORABLE_RANGES for cp in range(lo, hi + 1)}
     lookalike: set[str] = set()
     colons: set[str] = set()
     folds: dict[str, set[str]] = {}
+    compat: dict[str, str] = {}
+    marks: set[str] = set()
     category = unicodedata.category
     decomposition = unicodedata.decomposition
     name = unicodedata.name
@@ -236,20 +256,25 @@ def _scan() -> tuple[frozenset[str], frozenset[str], dict[str, set[str]], frozen
                 continue
             if cp < 0x80 or cat == "Cn":
                 continue
+            if cat in ("Mn", "Me"):
+                marks.add(ch)
             if decomposition(ch):
                 decomposed = normalize("NFKD", ch)
                 if any(t in decomposed for t in _LOOKALIKE_TARGETS):
                     lookalike.add(ch)
-                folded = normalize("NFKC", ch).casefold()
+                form = normalize("NFKC", ch)
+                folded = form.casefold()
                 if len(folded) == 1 and "a" <= folded <= "z":
                     folds.setdefault(folded, set()).add(ch)
+                if form != ch and not _COMPAT_TARGETS.isdisjoint(form):
+                    compat[ch] = form
             if cat[0] in "SP" or cat in ("Lm", "Sk"):
                 called = name(ch, "")
                 if cat[0] in "SP" and _BRACKET_NAME_RE.search(called):
                     lookalike.add(ch)
                 if _COLON_NAME_RE.search(called):
                     colons.add(ch)
-    return frozenset(invisible), frozenset(lookalike), folds, frozenset(colons)
+    return _Scan(frozenset(invisible), frozenset(lookalike), folds, frozenset(colons), compat, frozenset(marks))
 
 
 _CHAT_TAGS = (
@@ -268,6 +293,7 @@ _CHAT_TAGS = (
     "tool_response",
     "tool_result",
     "tool_results",
+    "function",
     "function_call",
     "function_calls",
     "function_results",
@@ -301,11 +327,22 @@ def _bar_lookalikes(graph: dict[str, set[str]]) -> frozenset[str]:
     return frozenset(ch for ch in bars if unicodedata.category(ch)[0] in "SP")
 
 
-def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, frozenset[str]], frozenset[str], frozenset[str]]:
-    """Return the dangerous set, the escape table, the look-alikes of each ASCII letter, the bars and the
-    colon-like characters escaping keeps."""
+class _Tables(NamedTuple):
+    dangerous: frozenset[str]
+    table: dict[int, str]
+    letters: dict[str, frozenset[str]]
+    bars: frozenset[str]
+    colons: frozenset[str]
+    compat: dict[str, str]
+    marks: frozenset[str]
+
+
+def _build_tables() -> _Tables:
+    """Return the dangerous set, the escape table, the look-alikes of each ASCII letter, the bars, the
+    colon-like characters escaping keeps, the compatibility forms that spell marker characters (the dangerous
+    ones aside: they are escaped anyway) and the combining marks."""
     graph = _homoglyph_graph()
-    invisible, lookalike, folds, colons = _scan()
+    invisible, lookalike, folds, colons, compat, marks = _scan()
     # Direct confusables of the targets, plus the symbol and punctuation twins of the NFKD and named
     # look-alikes (e.g. U+276C for U+3008). No further closure: it would reach ordinary letters and digits.
     lookalikes = set(lookalike)
@@ -323,7 +360,15 @@ def _build_tables() -> tuple[frozenset[str], dict[int, str], dict[str, frozenset
         members = {letter, letter.upper()} | folds.get(letter, set())
         members |= graph.get(letter, set()) | graph.get(letter.upper(), set())
         letters[letter] = frozenset(members - dangerous)
-    return dangerous, table, letters, _bar_lookalikes(graph), colons - dangerous
+    return _Tables(
+        dangerous,
+        table,
+        letters,
+        _bar_lookalikes(graph),
+        colons - dangerous,
+        {ch: form for ch, form in compat.items() if ch not in dangerous},
+        marks - dangerous,
+    )
 
 
 def _char_class(chars: Iterable[str]) -> str:
@@ -341,7 +386,8 @@ def _char_class(chars: Iterable[str]) -> str:
     return "[" + "".join(parts) + "]"
 
 
-DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE = _build_tables()
+DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS = _build_tables()
+_COMPAT_SET = frozenset(_COMPAT_FORMS)
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}``: look-alikes of ``<`` ``>`` ``/``
 ``:`` ``\\``, invisible, control and format characters except newline, tab and a carriage return before a
 line feed, and lone surrogates. ASCII ``<`` and ``>`` are not in it: they are escaped only where they
@@ -403,9 +449,12 @@ _CTX_COLON_RE = re.compile(rf":(?<={_word('ctx')}:)")
 # A '<' is escaped when it starts a '<<' run (an envelope marker, '<<SYS>>', a shift), a '<|...|>' token
 # (any bar look-alike), or a chat-template tag such as '<s>', '</s>', '<start_of_turn>' or '<tool_call>'.
 _ANGLE_RE = re.compile(
-    rf"<(?=<|{_char_class(_BARS)}|/?(?:{'|'.join(_CHAT_TAGS)})(?=[\s/>]))",
+    rf"<(?=<|{_char_class(_BARS)}|/?(?:{'|'.join(_CHAT_TAGS)})(?=[\s/>=]))",
     re.IGNORECASE,
 )
+# Combining marks right after `<` or `>`: NFC composes U+0338 with them into `≮` and `≯`, and a mark between
+# `<` and `|` hides the `<|` rule from it while a reader still sees the token.
+_MARKS_AFTER_ANGLE_RE = re.compile(rf"(?<=[<>]){_char_class(_MARKS)}+")
 # A run of literal backslashes directly before 'u{' or an escape is doubled; every other one stays single. A
 # match starts only at the first backslash of a run and takes the run whole, so a long run not followed by 'u{'
 # costs one pass, not one attempt from each of its backslashes.
@@ -423,6 +472,8 @@ ESCAPING_FINGERPRINT = hashlib.sha256(
             *_CHAT_TAGS,
             "".join(sorted(_BARS)),
             "".join(sorted(_COLON_LIKE)),
+            "".join(sorted(_COMPAT_FORMS)),
+            "".join(sorted(_MARKS)),
         ]
     ).encode("utf-8", "surrogatepass")
 ).hexdigest()[:16]
@@ -468,8 +519,38 @@ def _escape_chars(text: str) -> str:
     return _LONE_CR_RE.sub(_escape_match, out) if "\r" in out else out
 
 
+def _escape_each(match: re.Match[str]) -> str:
+    return "".join(map(_escape_char, match.group()))
+
+
+def _compat_markers(out: str) -> str:
+    """Escape the first character of each marker that only the NFKC form of `out` spells: a chat tag, a bracket
+    marker, `ctx:` or a role line written with compatibility characters (fullwidth or mathematical letters,
+    ligatures such as `ﬆ`, squared abbreviations such as `㏌`, fullwidth brackets and underscores), which a
+    tokenizer or a pipeline that normalises reads as the marker. The markers `out` spells as it is are escaped
+    already, so they are not in its NFKC form any more."""
+    forms = [_COMPAT_FORMS.get(ch, ch) for ch in out]
+    starts = list(accumulate(map(len, forms), initial=0))
+    view = "".join(forms)
+    at: set[int] = set()
+    at.update(m.start() for m in _ANGLE_RE.finditer(view))
+    at.update(m.start() for m in _BRACKET_TAG_RE.finditer(view))
+    at.update(m.start() for m in _CTX_COLON_RE.finditer(view))
+    roles = [_ROLE_AT_START_RE.match(view), *_ROLE_AFTER_NEWLINE_RE.finditer(view)]
+    at.update(m.start("first") for m in roles if m is not None and _ROLE_EXACT_RE.match(view, m.start("first")))
+    if not at:
+        return out
+    chars = list(out)
+    for k in {bisect.bisect_right(starts, v) - 1 for v in at}:
+        chars[k] = _escape_char(chars[k])
+    return "".join(chars)
+
+
 def _escape_markers(out: str) -> str:
-    """Escape what forms a boundary, chat token or role switch in first-pass output; settle backslashes."""
+    """Escape what forms a boundary, chat token or role switch in first-pass output, or in its NFKC form;
+    settle backslashes."""
+    if not out.isascii() and ("<" in out or ">" in out):
+        out = _MARKS_AFTER_ANGLE_RE.sub(_escape_each, out)
     if "<" in out:
         out = _ANGLE_RE.sub(r"\\u{3C}", out)
     if "[" in out:
@@ -479,6 +560,8 @@ def _escape_markers(out: str) -> str:
     if (first := _ROLE_AT_START_RE.match(out)) is not None:
         out = _escape_role(first) + out[first.end() :]
     out = _ROLE_AFTER_NEWLINE_RE.sub(_escape_role, out)
+    if not out.isascii() and not _COMPAT_SET.isdisjoint(out):
+        out = _compat_markers(out)
     if _LITERAL_BACKSLASH not in out:
         return out
     return _LITERAL_RUN_BEFORE_ESCAPE_RE.sub(_double_run, out).replace(_LITERAL_BACKSLASH, "\\")
