@@ -16,10 +16,11 @@ from collections.abc import Callable, Mapping
 from operator import attrgetter
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from activities.tokens import TiktokenCounter
 from activities.wire import WirePrefix
+from contract.payloads import storable_text
 from core.estimator import ModelProfile
 from core.rendering import FRAMING_TEXT, EnvelopeParseError, parse_envelopes
 
@@ -54,6 +55,10 @@ class ProviderToolCall(BaseModel):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
 
+    # What a model wrote is stored as it came, but for what PostgreSQL cannot store (a NUL, a lone surrogate: a
+    # page can get a model to write `\ud800` into its arguments), which becomes U+FFFD instead of failing the turn.
+    _storable = field_validator("call_id", "name", "arguments")(storable_text)
+
 
 class ProviderUsage(BaseModel):
     input_tokens: int
@@ -68,6 +73,8 @@ class ProviderReply(BaseModel):
     # The cacheable prefix exactly as the adapter sent it (activities/wire.py); None for the scripted model,
     # which has no wire.
     wire_prefix: WirePrefix | None = None
+
+    _storable = field_validator("text")(storable_text)  # as ProviderToolCall's
 
 
 class SummaryRequest(BaseModel):

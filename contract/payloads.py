@@ -6,6 +6,7 @@ fields, so a typo in a CLI `--input` fails with the field's name instead of bein
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import jsonschema
@@ -58,6 +59,21 @@ def storable_text_error(value: Any, path: str = "") -> str | None:
             if found:
                 return found
     return None
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # NUL, and a lone surrogate (a Python str holds no pair)
+
+
+def storable_text(value: Any) -> Any:
+    """`value` (a string, or a JSON-like dict/list of them) with what PostgreSQL cannot store (`storable_text_error`)
+    replaced by U+FFFD, keys included: for text the engine did not choose, such as a model's reply."""
+    if isinstance(value, str):
+        return _UNSTORABLE.sub("\ufffd", value) if not value.isascii() or "\x00" in value else value
+    if isinstance(value, dict):
+        return {storable_text(k): storable_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable_text(v) for v in value]
+    return value
 
 
 class _Input(BaseModel):

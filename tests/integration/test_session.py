@@ -80,6 +80,22 @@ async def test_bad_tool_calls_are_tool_errors(temporal_client: Client, pg_dsn: s
         assert (await turn(handle, "still alive?")).text.startswith("Noted:")
 
 
+async def test_a_tool_call_with_unstorable_text_is_stored_with_replacement_characters(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A model that writes a lone surrogate or a NUL into a call's arguments (a page can get it to: the scripted
+    model parses `\\ud800` in JSON as one): the call runs, its arguments logged with U+FFFD where PostgreSQL
+    could not store what was written. Before, the turn failed `InvalidData` (`invalid input syntax for type
+    json`), and the same reply again at every retry."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        res = await turn(handle, '/call web.fetch {"url": "fixture://weather", "note\\ud800": "a\\ud800b\\u0000c"}')
+        assert [c.allowed for c in res.tool_calls] == [True]
+        calls = [i.payload for i in await store.load_items(handle.id) if i.payload["kind"] == "tool_call"]
+        assert calls[-1]["arguments"]["note\ufffd"] == "a\ufffdb\ufffdc", calls[-1]
+        assert (await turn(handle, "still alive?")).text.startswith("Noted:")
+
+
 async def test_prefix_over_ceiling_fails_open(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """Agent instructions over 4,000 tokens fail the session at open, naming the class."""
     async with stack(temporal_client, pg_dsn, task_queue):
