@@ -9,8 +9,10 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.model_call import within_attempt
 from activities.provider import SummaryRequest
 from activities.session_state import SessionState
+from activities.tokens import TiktokenCounter
 from contract import names
 from contract.activity_interfaces import CompactionActivityCalls
 from contract.events import EventType
@@ -38,6 +40,21 @@ log = structlog.get_logger("ctxengine.compaction")
 SUMMARY_MAX_TOKENS = 300
 MIN_FACT_CHARS = 8
 MAX_FACT_CHARS = 1_000
+
+
+NO_SUMMARY = "(The summarizer returned nothing for this span; it began:)\n"
+
+
+def fitted_summary(reply: str, chunk: str, limit: int, counter: TiktokenCounter) -> tuple[str, str | None]:
+    """What a checkpoint keeps of a chunk: the summarizer's reply, cut to `limit` tokens (the chunk's share of the
+    fifth of the body a summary may take; a summarizer may write past `max_tokens`, and a longer summary would
+    take room every later request needs); a blank reply becomes the chunk's own opening, cut the same way, so a
+    summarizer that answers nothing drops nothing unseen. With why it differs from the reply (None: it does not)."""
+    if not reply.strip():
+        return counter.truncate(NO_SUMMARY + chunk, limit), "blank"
+    if counter.count(reply) > limit:
+        return counter.truncate(reply, limit), "over_limit"
+    return reply, None
 
 
 class CompactionActivities(CompactionActivityCalls):
@@ -126,17 +143,28 @@ class CompactionActivities(CompactionActivityCalls):
                 type="ProviderNotConfigured",
                 non_retryable=True,
             )
-        reply = await provider.summarize(
-            SummaryRequest(
-                session_id=inp.session_id,
-                model=profile.model,
-                text=chunk.text,
-                max_tokens=min(SUMMARY_MAX_TOKENS, summary_tokens),
+        reply = await within_attempt(  # typed `ModelCallTimeout`, as a turn's model call is
+            provider.summarize(
+                SummaryRequest(
+                    session_id=inp.session_id,
+                    model=profile.model,
+                    text=chunk.text,
+                    max_tokens=min(SUMMARY_MAX_TOKENS, summary_tokens),
+                )
             )
         )
-        stored = await self.store.put_summary(
-            inp.session_id, inp.checkpoint_id, inp.chunk_index, chunk.text, reply.text
-        )
+        summary, why = fitted_summary(reply.text, chunk.text, summary_tokens, self.state.counter(profile.encoding))
+        if why is not None:
+            log.warning(
+                "compaction.summary_fitted",
+                session_id=inp.session_id,
+                checkpoint_id=inp.checkpoint_id,
+                chunk=inp.chunk_index,
+                reason=why,
+                reply_chars=len(reply.text),
+                limit_tokens=summary_tokens,
+            )
+        stored = await self.store.put_summary(inp.session_id, inp.checkpoint_id, inp.chunk_index, chunk.text, summary)
         return len(stored)
 
     @activity.defn(name=names.ACTIVITY_COMPACTION_COMMIT)

@@ -114,7 +114,7 @@ class ModelCallActivities(ModelCalls):
             estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
-        reply = await _within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
+        reply = await within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
         if (wire := reply.wire_prefix) is not None:
             await _store_waiting(lambda: self._record_wire_prefix(inp, wire))
         # The outcome: usage (the first attempt's figures win), the estimator's reconciliation and its event.
@@ -289,7 +289,7 @@ async def _store_waiting(op: Callable[[], Awaitable[T]]) -> T:
             delay = min(delay * 2, MAXIMUM_INTERVAL_S)
 
 
-async def _within_attempt(work: Awaitable[T]) -> T:
+async def within_attempt(work: Awaitable[T]) -> T:
     """`work`, cut off just before this attempt's start-to-close timeout: a late reply must not be stored after
     Temporal has given up on the attempt (and the turn may have failed). A typed, retryable timeout."""
     limit = activity.info().start_to_close_timeout

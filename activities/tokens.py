@@ -54,3 +54,11 @@ class TiktokenCounter:
 
     def count(self, text: str) -> int:
         return len(self._enc.encode(text, disallowed_special=()))
+
+    def truncate(self, text: str, max_tokens: int) -> str:
+        """The longest start of `text` this counter counts at most `max_tokens` (a character cut at the end is
+        dropped)."""
+        tokens = self._enc.encode(text, disallowed_special=())
+        if len(tokens) <= max_tokens:
+            return text
+        return self._enc.decode_bytes(tokens[: max(0, max_tokens)]).decode("utf-8", "ignore")

@@ -17,7 +17,7 @@ with workflow.unsafe.imports_passed_through():
     from contract.payloads import CompactionInput, CompactionOutcome, CompactionStep, SummarizeInput
     from core.compaction import CompactionDecision
 
-from workflows.retry_policies import RETRY
+from workflows.retry_policies import MODEL_RETRY, RETRY
 
 SUMMARIZE_CONCURRENCY = 4
 
@@ -61,7 +61,9 @@ class CompactionWorkflow:
                     ),
                     start_to_close_timeout=timedelta(seconds=t.model_seconds),
                     heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
-                    retry_policy=RETRY,
+                    # A summarizer call is a model call: its attempts are a model call's (each may cost a provider
+                    # request, and one that hangs holds the session for each of them), not the database's 40.
+                    retry_policy=MODEL_RETRY if workflow.patched("summarize-model-retry") else RETRY,
                     summary=f"summarize chunk {index + 1}/{step.chunks}",
                 )
 

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 
+from activities.provider import ProviderReply, ProviderUsage, ScriptedProvider, SummaryRequest
 from activities.providers import build_providers
 from activities.session import SessionActivities
 from activities.store import ForeignReferenceError, Store
+from activities.tokens import TiktokenCounter
 from activities.tools import marker
-from contract import names
-from contract.payloads import SessionState
+from contract import names, retries
+from contract.payloads import ActivityTimeouts, SessionState
 from core.items import parse_history_item
 from tests.integration.session_helpers import session_open, stack, start, turn
 
@@ -286,3 +290,75 @@ async def _first_failure(handle: WorkflowHandle[Any, Any], text: Callable[[int],
         except WorkflowUpdateFailedError as exc:
             return exc.cause
     return None
+
+
+class _LongSummaries(ScriptedProvider):
+    """A summarizer that writes far past `max_tokens`."""
+
+    async def summarize(self, request: SummaryRequest) -> ProviderReply:
+        return ProviderReply(text="the session went on and on " * 800, usage=ProviderUsage(input_tokens=1))
+
+
+class _BlankSummaries(ScriptedProvider):
+    async def summarize(self, request: SummaryRequest) -> ProviderReply:
+        return ProviderReply(text="  \n", usage=ProviderUsage(input_tokens=1))
+
+
+class _HangingSummaries(ScriptedProvider):
+    calls = 0
+
+    async def summarize(self, request: SummaryRequest) -> ProviderReply:
+        type(self).calls += 1
+        await asyncio.sleep(3_600)
+        raise AssertionError("unreachable")
+
+
+async def _until_compacted(handle: WorkflowHandle[Any, Any], store: Store) -> list[dict[str, Any]]:
+    for i in range(40):
+        await turn(handle, f"message {i}: " + "context " * 150)
+        checkpoints = await store.checkpoints(handle.id)
+        if checkpoints:
+            return checkpoints
+    raise AssertionError("no compaction within 40 turns")
+
+
+async def test_a_summary_is_held_to_its_share_of_the_body(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A summarizer that writes 5,600 tokens where it was asked for a few hundred: the checkpoint keeps the
+    chunk's share of the fifth of the body a summary may take, and every later request fits. A blank summary is
+    replaced by the span's opening. Before, the whole reply was stored (a 4,004-token summary on a 4,500-token
+    input limit), and a request went over the limit by the provider's count."""
+    counter = TiktokenCounter()
+    for provider, expect in ((_LongSummaries(), "the session went on"), (_BlankSummaries(), "returned nothing")):
+        async with stack(temporal_client, pg_dsn, task_queue, providers={"scripted": provider}) as store:
+            handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
+            checkpoint = (await _until_compacted(handle, store))[0]
+            plan = await store.get_compaction_plan(handle.id, checkpoint["checkpoint_id"])
+            assert plan is not None
+            limit = plan["summary_tokens_per_chunk"] * len(plan["chunks"])
+            assert expect in checkpoint["summary"]
+            assert 0 < counter.count(checkpoint["summary"]) <= limit + len(plan["chunks"]), checkpoint["summary"][:80]
+            for i in range(4):
+                await turn(handle, f"after {i}: " + "context " * 150)
+            records = await store.records(handle.id)
+            assert all(r.estimated_tokens <= 4_500 for r in records)
+
+
+async def test_a_hanging_summarizer_fails_the_turn_typed_after_a_model_call_s_attempts(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A summarizer that never answers: the turn fails `ModelCallTimeout` after the model call's four attempts.
+    Before, the summarize activity took the database's retry policy (40 attempts: with the default 300 s model
+    timeout, 3.3 hours in which the session took no turn) and the failure was untyped ("Child Workflow execution
+    failed")."""
+    model = _HangingSummaries()
+    timeouts = ActivityTimeouts(build_seconds=5, model_seconds=1, model_heartbeat_seconds=5, tool_seconds=5)
+    async with stack(temporal_client, pg_dsn, task_queue, providers={"scripted": model}):
+        handle = await start(temporal_client, task_queue, session_open(budget=SMALL, timeouts=timeouts))
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            for i in range(40):
+                await turn(handle, f"message {i}: " + "context " * 150)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "ModelCallTimeout", cause
+        assert _HangingSummaries.calls == retries.MODEL_MAX_ATTEMPTS
