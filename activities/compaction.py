@@ -219,12 +219,14 @@ class CompactionActivities(CompactionActivityCalls):
             count=counter.count,
         )
         await self.store.put_checkpoint(inp.session_id, checkpoint.model_dump(mode="json"))
+        plan = await self.store.get_compaction_plan(inp.session_id, inp.checkpoint_id)  # why it escalated
+        why = plan.get("reason") if plan else None
         outcome = CompactionOutcome(
             decision=CompactionDecision.ESCALATE.value,
             checkpoint_id=inp.checkpoint_id,
             depth=0,
             elided_items=len(checkpoint.pointers),
-            reason=f"summary depth is capped at 2; child run from {inp.checkpoint_id}",
+            reason=f"{why or 'escalated'}; child run from {inp.checkpoint_id}",
         )
         return await self._completed(inp, outcome)
 

@@ -128,8 +128,9 @@ def escalation_checkpoint(
         f"checkpoint:{a}" for a in named
     )
     tail = f"; items {span[0].seq}..{span[-1].seq} by item:ID" if span else ""
+    times = {0: "", 1: " once"}.get(current.depth, f" {current.depth} times")
     summary = (
-        f"Earlier context was summarized {MAX_SUMMARY_DEPTH} times and is not repeated here. "
+        f"Earlier context was summarized{times} and is not repeated here. "
         f"It is available by reference: {refs}{tail}. Untrusted spans are listed as pointers."
     )
     return Checkpoint(

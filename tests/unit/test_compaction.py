@@ -175,3 +175,17 @@ class TestNothingLeftOutsideTheActiveTurn:
 
         assert summary_tokens(200) <= summary_tokens(5) + 2
         assert summary_tokens(3) < summary_tokens(5)  # the newest are named
+
+    def test_an_escalation_says_how_many_times_the_context_was_summarized(self) -> None:
+        """The fresh body says the depth it escalated from: once over a depth-1 summary (an oversized summary
+        that never fit escalates there), twice over depth 2. Before, it always said 2 times."""
+        hist = _history()
+        first = plan_compaction(hist, current=None, keep_from_seq=15, count=count, chunk_tokens=800, secret=f.SECRET)
+        said = {}
+        for depth in (1, 2):
+            cp = _checkpoint(first).model_copy(update={"depth": depth})
+            fresh = escalation_checkpoint(
+                hist, current=cp, keep_from_seq=15, checkpoint_id="cp-next", ancestors=["cp-1"], count=count
+            )
+            said[depth] = fresh.summary.split(" and is not repeated")[0]
+        assert said == {1: "Earlier context was summarized once", 2: "Earlier context was summarized 2 times"}
