@@ -12,16 +12,18 @@ import dataclasses
 from typing import Any, ClassVar
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs
 from activities.build import BuildActivities
+from activities.lifecycle import LifecycleActivities
 from activities.model_call import ModelCallActivities
 from activities.rows import ItemRender, TurnReads
 from activities.session import SessionActivities
 from activities.session_state import SessionCache, SessionState
 from activities.tool_calls import ToolCallActivities
 from contract import names
-from contract.payloads import BuildInput, SessionOpen
+from contract.payloads import BuildInput, CloseInput, SessionOpen
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, open_prefix
 from core.estimator import TokenEstimator
 from core.items import HistoryItem, TrustLevel
@@ -148,3 +150,22 @@ class LaunderedStoredSegments(SessionActivities):
     determinism gate's stored-bodies check must catch it."""
 
     state_class: ClassVar[type[SessionState]] = UserTrustRenders
+
+
+class CloseFailsOnce(LifecycleActivities):
+    """Each session's first close activity fails, as one past its retries does while PostgreSQL is down."""
+
+    failed: ClassVar[set[str]] = set()
+
+    @activity.defn(name=names.ACTIVITY_CLOSE)
+    async def close_session(self, inp: CloseInput) -> None:
+        if inp.session_id not in self.failed:
+            self.failed.add(inp.session_id)
+            raise ApplicationError("the store is down (an injected fault)", type="StoreDown", non_retryable=True)
+        await super().close_session(inp)
+
+
+class FirstCloseFails(SessionActivities):
+    """A close that fails must leave the session open, and closable again."""
+
+    lifecycle_family: ClassVar[type[LifecycleActivities]] = CloseFailsOnce

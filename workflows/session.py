@@ -654,37 +654,43 @@ class SessionWorkflow:
         if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
             raise ApplicationError("close_session: the session is already closing", type="SessionClosed")
         self.closing = True
-        async with self.lock:
-            # Established facts become memory candidates at the session boundary (ADR-0020 decision 15).
-            await workflow.execute_activity_method(
-                CompactionActivityCalls.form_memories,
-                FormationInput(
-                    session_id=self.state.session_id,
-                    scope=self.open.memory_scope,
-                    turn=self.state.turns,
-                    epoch=self.state.epoch,
-                ),
-                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
-                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
-                retry_policy=RETRY,
-                summary="memory formation",
-            )
-            await workflow.execute_activity_method(
-                SessionActivityCalls.close_session,
-                CloseInput(
-                    session_id=self.state.session_id,
-                    reason=req.reason,
-                    turn=self.state.turns,
-                    epoch=self.state.epoch,
-                ),
-                start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
-                heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
-                retry_policy=RETRY,
-                summary="close session",
-            )
-            self.state.status = "closed"
-            self._publish()
-            return self.state
+        try:
+            async with self.lock:
+                # Established facts become memory candidates at the session boundary (ADR-0020 decision 15).
+                await workflow.execute_activity_method(
+                    CompactionActivityCalls.form_memories,
+                    FormationInput(
+                        session_id=self.state.session_id,
+                        scope=self.open.memory_scope,
+                        turn=self.state.turns,
+                        epoch=self.state.epoch,
+                    ),
+                    start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                    heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
+                    retry_policy=RETRY,
+                    summary="memory formation",
+                )
+                await workflow.execute_activity_method(
+                    SessionActivityCalls.close_session,
+                    CloseInput(
+                        session_id=self.state.session_id,
+                        reason=req.reason,
+                        turn=self.state.turns,
+                        epoch=self.state.epoch,
+                    ),
+                    start_to_close_timeout=timedelta(seconds=self.open.timeouts.build_seconds),
+                    heartbeat_timeout=timedelta(seconds=self.open.timeouts.heartbeat_seconds),
+                    retry_policy=RETRY,
+                    summary="close session",
+                )
+                self.state.status = "closed"
+                self._publish()
+                return self.state
+        except Exception:
+            # A close whose activities failed (PostgreSQL down past their retries) leaves the session open, so the
+            # same close can be sent again; before, the session stayed "closing" for good: no close, turn or purge.
+            self.closing = False
+            raise
 
     @close_session.validator
     def _validate_close(self, req: CloseSession | None = None) -> None:

@@ -17,6 +17,7 @@ from activities.provider import ModelProvider
 from activities.session import SessionActivities
 from contract import names
 from contract.payloads import ModelRoute, RevokeTool, SessionOpen, SessionState, WriteMemory
+from harness.faults import FirstCloseFails
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -308,3 +309,24 @@ async def test_every_example_input_is_accepted(temporal_client: Client, pg_dsn: 
             except WorkflowUpdateFailedError as exc:
                 raise AssertionError(f"{file} was refused: {exc.cause}") from exc
         await asyncio.wait_for(handle.result(), 60)
+
+
+async def test_a_close_that_failed_leaves_the_session_open_and_closable(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A close whose activity fails (PostgreSQL down past its retries): the session stays open, takes turns, and
+    the same close sent again closes it. Before, it stayed "closing" for good: a second close was refused as
+    already closed, a turn as `SessionNotOpen`, and a purge because it was not closed."""
+    async with stack(temporal_client, pg_dsn, task_queue, activities_class=FirstCloseFails) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"})
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.status == "open"
+        assert (await turn(handle, "still here?")).turn == 2
+        closed = await handle.execute_update(names.UPDATE_CLOSE_SESSION, {"reason": "done"}, result_type=SessionState)
+        assert closed.status == "closed" and (await handle.result())["status"] == "closed"
+        assert (
+            await store.pool.fetchval("SELECT closed_at FROM sessions WHERE session_id = $1", handle.id)
+        ) is not None
