@@ -401,4 +401,13 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX IF NOT EXISTS memories_corrects ON memories (scope, corrects, created_at DESC, memory_id DESC)
         WHERE corrects IS NOT NULL;
     """,
+    # 12: the ids of purged sessions (nothing else of them): a session id names one session forever, purged too.
+    """
+    CREATE TABLE IF NOT EXISTS purged_sessions (
+        session_id text PRIMARY KEY,
+        opened_at timestamptz NOT NULL,
+        closed_at timestamptz,
+        purged_at timestamptz NOT NULL DEFAULT now()
+    );
+    """,
 )

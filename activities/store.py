@@ -599,8 +599,13 @@ SQL_WITHDRAWN = "SELECT 1 FROM memories WHERE scope = $1 AND memory_id = $2"
 # is purged too. `sessions` goes last (the others reference it).
 SQL_SESSION_TABLES = """
 SELECT table_name FROM information_schema.columns
-WHERE table_schema = current_schema() AND column_name = 'session_id' AND table_name <> 'sessions'
+WHERE table_schema = current_schema() AND column_name = 'session_id'
+  AND table_name NOT IN ('sessions', 'purged_sessions')
 ORDER BY table_name"""
+# A purged session's id stays taken (a session id names one session forever): its dates, nothing else.
+SQL_PURGED_TOMBSTONE = """
+INSERT INTO purged_sessions (session_id, opened_at, closed_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"""
+SQL_PURGED = "SELECT opened_at AS created_at, closed_at, ''::bytea AS secret FROM purged_sessions WHERE session_id = $1"
 SQL_PURGE_REQUESTS = """
 DELETE FROM rendered_requests WHERE sha256 IN (SELECT request_sha256 FROM request_records WHERE session_id = $1)
    OR prefix_sha256 IN (SELECT sha256 FROM prefixes WHERE session_id = $1)"""
@@ -738,6 +743,9 @@ class Store:
         otherwise left alone: a session id names one session forever.
         """
         async with self.pool.acquire() as conn, conn.transaction():
+            purged = await conn.fetchrow(SQL_PURGED, session_id)
+            if purged is not None:  # its session was purged: the id stays its
+                return _claim(purged, owned=False)
             await conn.execute(SQL_INSERT_OWNED_SESSION, session_id, open_json, secret, owner)
             row = await conn.fetchrow(SQL_SESSION_FOR_CLAIM, session_id)
             if row["owner"] == owner:
@@ -1199,7 +1207,9 @@ class Store:
         unless the caller checked otherwise that it ended (a session that failed to open is never closed)."""
         counts: dict[str, int] = {}
         async with self.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow("SELECT closed_at FROM sessions WHERE session_id = $1 FOR UPDATE", session_id)
+            row = await conn.fetchrow(
+                "SELECT created_at, closed_at FROM sessions WHERE session_id = $1 FOR UPDATE", session_id
+            )
             if row is None:
                 raise LookupError(f"no session {session_id!r} in this database")
             if require_closed and row["closed_at"] is None:
@@ -1210,6 +1220,7 @@ class Store:
                 deleted = await conn.execute(f'DELETE FROM "{table}" WHERE session_id = $1', session_id)
                 counts[table] = _rows(deleted)
             counts["sessions"] = _rows(await conn.execute(SQL_PURGE_SESSION, session_id))
+            await conn.execute(SQL_PURGED_TOMBSTONE, session_id, row["created_at"], row["closed_at"])
         return counts
 
     # ------------------------------------------------------------ working state

@@ -240,7 +240,9 @@ async def _rows_mentioning(store: Store, needles: list[str]) -> dict[str, int]:
 
 async def test_purge_leaves_nothing(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """Purging a closed session removes every row of it (log, artifacts, requests, prefixes, checkpoints,
-    events, formed memories) from every table, and nothing of another session."""
+    events, formed memories) from every table, and nothing of another session. What stays is its id, with the
+    dates it opened and closed, so the id still names that session: a start with it is refused `SessionIdTaken`
+    (before, a purged session's id opened a new session)."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
         s = await ctx.start_session(session_open(budget={"context_window": 5_000, "output_reserve": 500}))
@@ -264,8 +266,12 @@ async def test_purge_leaves_nothing(temporal_client: Client, pg_dsn: str, task_q
         kept_before = await _rows_mentioning(store, [keep.session_id])
         result = await ctx.purge(s.session_id)
         assert result.rows_deleted["sessions"] == 1 and "retention" in result.temporal_history
-        assert await _rows_mentioning(store, needles) == {}
+        assert await _rows_mentioning(store, needles) == {"purged_sessions": 1}
+        tombstone = await store.pool.fetchrow("SELECT * FROM purged_sessions WHERE session_id = $1", s.session_id)
+        assert tombstone is not None and set(dict(tombstone)) == {"session_id", "opened_at", "closed_at", "purged_at"}
         assert await _rows_mentioning(store, [keep.session_id]) == kept_before
+        with pytest.raises(SessionIdTaken):
+            await ctx.start_session(session_open(), session_id=s.session_id)
 
 
 async def _temporal_cli(address: str, *args: str) -> tuple[int, str]:
