@@ -17,8 +17,10 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from datetime import timedelta
 from typing import Any, TextIO, TypeVar, cast
 
+import asyncpg
 import structlog
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.runtime import (
     LogForwardingConfig,
@@ -28,6 +30,7 @@ from temporalio.runtime import (
     TelemetryConfig,
     TelemetryFilter,
 )
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import (
     Interceptor,
     PollerBehaviorAutoscaling,
@@ -282,9 +285,45 @@ def tuned_gc() -> Iterator[None]:
 T = TypeVar("T")
 
 
-async def with_backoff(what: str, attempt: Callable[[], Awaitable[T]], *, deadline_s: float = STARTUP_WAIT_S) -> T:
+class StartupError(Exception):
+    """A setting names something that is there but refuses it (a database or role that does not exist, a wrong
+    password, a namespace the server does not have, a metrics address in use): waiting does not help, so the worker
+    exits 2 naming the variable, as for a malformed value."""
+
+
+def _permanent_postgres(exc: Exception) -> str | None:
+    if isinstance(
+        exc,
+        asyncpg.InvalidCatalogNameError | asyncpg.InvalidAuthorizationSpecificationError | asyncpg.InvalidPasswordError,
+    ):
+        return f"CTXENGINE_DATABASE_URL: PostgreSQL refused it: {exc}"
+    return None
+
+
+def _permanent_temporal(exc: Exception) -> str | None:
+    if isinstance(exc, RPCError) and exc.status is RPCStatusCode.NOT_FOUND:
+        return f"TEMPORAL_NAMESPACE: the Temporal server has no such namespace: {exc}"
+    return None
+
+
+async def connect_to_namespace(address: str) -> Client:
+    """A client of the namespace the settings name, checked to exist (a missing one fails the worker at start with
+    the variable named, not with a traceback once the worker validates)."""
+    client = await connect(address)
+    await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=client.namespace))
+    return client
+
+
+async def with_backoff(
+    what: str,
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    deadline_s: float = STARTUP_WAIT_S,
+    permanent: Callable[[Exception], str | None] = lambda exc: None,
+) -> T:
     """`attempt()` until it succeeds, waiting 0.5 s, doubling, at most 10 s apart, logging each failure; after
-    `deadline_s` the last error is raised (a worker that cannot reach its services exits, with the reason)."""
+    `deadline_s` the last error is raised (a worker that cannot reach its services exits, with the reason). An error
+    `permanent` names (returns a message for) raises `StartupError` at once: waiting would not change it."""
     log = structlog.get_logger("ctxengine.worker")
     loop = asyncio.get_running_loop()
     give_up = loop.time() + deadline_s
@@ -293,6 +332,8 @@ async def with_backoff(what: str, attempt: Callable[[], Awaitable[T]], *, deadli
         try:
             return await attempt()
         except Exception as exc:  # whatever the dependency raises while it is down: logged, retried
+            if (message := permanent(exc)) is not None:
+                raise StartupError(message) from exc
             if loop.time() + delay > give_up:
                 log.error("worker.dependency_unavailable", dependency=what, error=f"{type(exc).__name__}: {exc}")
                 raise
@@ -326,14 +367,19 @@ async def main() -> None:
     metrics = config.metrics_address
     if not metrics:  # the default port, or a free one when another worker on this host holds it
         metrics = f"127.0.0.1:{9464 if port_is_free(9464) else free_port()}"
-    install_runtime(None if metrics == "off" else metrics)
+    try:
+        install_runtime(None if metrics == "off" else metrics)
+    except (RuntimeError, ValueError) as exc:  # the SDK's exporter could not bind it
+        raise StartupError(f"CTXENGINE_METRICS_ADDRESS: cannot serve metrics at {metrics}: {exc}") from exc
     async with AsyncExitStack() as stack:
         home = ctxengine_home()
         address = await stack.enter_async_context(temporal_dev_server(home))
         dsn = await stack.enter_async_context(embedded_postgres(home))
-        client = await with_backoff("temporal", lambda: connect(address))
-        store = await with_backoff("postgresql", lambda: stack.enter_async_context(Store.from_dsn(dsn)))
-        version = await with_backoff("postgresql", store.migrate)
+        client = await with_backoff("temporal", lambda: connect_to_namespace(address), permanent=_permanent_temporal)
+        store = await with_backoff(
+            "postgresql", lambda: stack.enter_async_context(Store.from_dsn(dsn)), permanent=_permanent_postgres
+        )
+        version = await with_backoff("postgresql", store.migrate, permanent=_permanent_postgres)
         task_queue = config.task_queue
         # On the embedded dev stack alone, a session that names no model route gets the scripted model.
         embedded = not config.temporal_address and not config.database_url
@@ -368,7 +414,7 @@ def run() -> None:
         asyncio.run(main())
     except asyncio.CancelledError:  # stopped by a signal while it was starting
         return
-    except (EmbeddedUnavailable, SettingsError) as exc:
+    except (EmbeddedUnavailable, SettingsError, StartupError) as exc:
         sys.stderr.write(f"ctxengine worker: {exc}\n")
         raise SystemExit(2) from None
 

@@ -405,14 +405,19 @@ def purge(
 
 def main() -> None:
     """The console script. A malformed environment variable exits 2 naming the variable, whichever command read
-    it (docs/operations.md, "Configuration"), not 1 with a traceback."""
+    it (docs/operations.md, "Configuration"), not 1 with a traceback; PostgreSQL down or refusing the connection
+    exits 3 for a command that needs it (1 stays "not found"), also with one line."""
     from contract.settings import SettingsError
+    from services.stack import PostgresUnreachable
 
     try:
         app()
     except SettingsError as exc:
         sys.stderr.write(f"ctxengine: {exc}\n")
         raise SystemExit(2) from None
+    except PostgresUnreachable as exc:
+        sys.stderr.write(f"ctxengine: {exc}\n")
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

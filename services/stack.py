@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
+import asyncpg
+
 from activities.store import Store
 from contract.settings import settings
 from services.embedded import EmbeddedTemporal, ctxengine_home, embedded_postgres
@@ -34,6 +36,13 @@ async def services(*, temporal: bool = True) -> AsyncIterator[Services]:
                 stack.push_async_callback(server.stop)
                 address, ui = server.address, server.ui_url
         dsn = await stack.enter_async_context(embedded_postgres(home))
-        store = await stack.enter_async_context(Store.from_dsn(dsn))
-        await store.migrate()
+        try:
+            store = await stack.enter_async_context(Store.from_dsn(dsn))
+            await store.migrate()
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise PostgresUnreachable(f"PostgreSQL (CTXENGINE_DATABASE_URL) cannot be used: {exc}") from exc
         yield Services(temporal_address=address, ui_url=ui, store=store)
+
+
+class PostgresUnreachable(Exception):
+    """The store could not be reached or refused the connection: a command that needs it exits 3, saying so."""

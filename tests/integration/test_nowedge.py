@@ -8,9 +8,11 @@ window with a smaller reserve, and the smaller refusals (tool schema, memory ids
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from temporalio.api.common.v1 import Payload
@@ -478,3 +480,43 @@ async def test_a_rotation_retried_after_continue_as_new_rotates_once(
             names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"), id="rev-1", result_type=SessionState
         )
         assert "notes.save" not in revoked.revoked_tools  # the grant after it stands
+
+
+@pytest.mark.parametrize("case", ["database", "namespace", "metrics"])
+async def test_a_setting_the_server_refuses_fails_the_worker_at_start(
+    temporal_client: Client, temporal_address: str, pg_dsn: str, tmp_path: Any, case: str
+) -> None:
+    """A database that does not exist, a namespace the server does not have, a metrics address in use: the worker
+    exits 2 at once, naming the variable. Before, the database was waited for 120 s as if it were down, and the
+    other two ended in a traceback with exit 1 (the namespace once the worker had said it was starting)."""
+    from harness.worker_process import WorkerProcess
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    dsn, env, variable = pg_dsn, {}, ""
+    if case == "database":
+        dsn, variable = urlunsplit(urlsplit(pg_dsn)._replace(path="/no_such_database")), "CTXENGINE_DATABASE_URL"
+    elif case == "namespace":
+        env, variable = {"TEMPORAL_NAMESPACE": "no-such-namespace"}, "TEMPORAL_NAMESPACE"
+    else:
+        env = {"CTXENGINE_METRICS_ADDRESS": f"127.0.0.1:{held.getsockname()[1]}"}
+        variable = "CTXENGINE_METRICS_ADDRESS"
+    worker = WorkerProcess(
+        temporal_address=temporal_address,
+        dsn=dsn,
+        task_queue=f"refused-{case}-{time.monotonic_ns()}",
+        home=tmp_path,
+        name=case,
+        extra_env=env,
+    )
+    try:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited with 2"):
+            await worker.start(temporal_client, timeout=60)
+        assert time.monotonic() - began < 30
+        assert f"ctxengine worker: {variable}:" in worker.log_tail(), worker.log_tail()
+        assert "Traceback" not in worker.log_tail()
+    finally:
+        worker.kill()
+        held.close()

@@ -104,3 +104,21 @@ def test_every_command_exits_2_naming_a_malformed_variable(command: list[str], v
     )
     assert done.returncode == 2, done.stderr
     assert f"environment variable {variable}:" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["inspect", "s"], ["replay", "s"], ["purge", "--session", "s"]])
+def test_a_command_whose_postgresql_is_down_exits_3_in_one_line(command: list[str]) -> None:
+    """PostgreSQL not listening where CTXENGINE_DATABASE_URL points: exit 3 and one line saying so. Before, a
+    traceback of hundreds of lines and exit 1, which is also what "no such session" returns."""
+    script = Path(sys.executable).with_name("ctxengine")
+    dsn = "postgresql://ctx@127.0.0.1:1/ctxengine"  # port 1: nothing listens, refused at once
+    done = subprocess.run(
+        [str(script), *command],
+        env={**os.environ, "CTXENGINE_DATABASE_URL": dsn},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.startswith("ctxengine: PostgreSQL (CTXENGINE_DATABASE_URL) cannot be used:"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
