@@ -22,7 +22,8 @@ class Settings(BaseSettings):
     read: a field's own name is not a variable (`HOME`, `DATABASE_URL` and `TASK_QUEUE` belong to the shell and to
     other programs)."""
 
-    model_config = SettingsConfigDict(frozen=True, extra="ignore")
+    # Names are matched as written (upper case): `ctxengine_database_url` is another variable, not this one.
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", case_sensitive=True)
 
     temporal_address: str | None = Field(default=None, validation_alias="TEMPORAL_ADDRESS")
     temporal_namespace: str = Field(default="default", min_length=1, validation_alias="TEMPORAL_NAMESPACE")
@@ -57,9 +58,17 @@ class Settings(BaseSettings):
     @field_validator("metrics_address")
     @classmethod
     def _metrics(cls, value: str) -> str:
-        if value not in ("", "off"):
+        if value.lower() == "off":
+            return "off"
+        if value:
             _host_port(value)
         return value
+
+    @field_validator("home", mode="before")
+    @classmethod
+    def _home(cls, value: Any) -> Any:
+        """An empty CTXENGINE_HOME is unset (the default), not the current directory."""
+        return Path(".ctxengine") if isinstance(value, str) and not value.strip() else value
 
     @field_validator("database_url")
     @classmethod

@@ -74,6 +74,17 @@ def test_only_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> 
     assert settings(_OTHER_PROGRAMS) == settings({})  # a mapping alone: nothing read from the process
 
 
+def test_names_are_read_as_written_and_blank_or_off_mean_what_they_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the upper-case name is the variable (a lower-case `ctxengine_database_url` was read, and a malformed one
+    failed every command); an empty CTXENGINE_HOME is the default home, not the current directory; `OFF` turns the
+    metrics endpoint off as `off` does (it was refused)."""
+    monkeypatch.delenv("CTXENGINE_DATABASE_URL", raising=False)
+    monkeypatch.setenv("ctxengine_database_url", "mysql://not-ours@h/db")
+    assert settings().database_url is None
+    assert str(settings({"CTXENGINE_HOME": ""}).home) == ".ctxengine"
+    assert settings({"CTXENGINE_METRICS_ADDRESS": "OFF"}).metrics_address == "off"
+
+
 def test_the_documented_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same values under ctxengine's names are taken."""
     monkeypatch.setenv("CTXENGINE_HOME", "/srv/ctxengine")
