@@ -541,7 +541,6 @@ class TestAnthropicWire:
         assert all(reads[ANTHROPIC_LOOKBACK_BLOCKS][k] > region_a for k in converting), (reads, region_a)
         assert all(reads[0][k] == region_a for k in converting), (reads, region_a)
 
-
     async def test_roles_alternate_and_tool_pairs_stay_whole(self, anthropic_srv: FakeServer) -> None:
         """Same-role segments merge into one message; tool_use ids are answered by tool_result blocks first."""
         session = Session(anthropic_provider(anthropic_srv), "anthropic")
