@@ -218,8 +218,9 @@ def _homoglyph_graph() -> dict[str, set[str]]:
     return graph
 
 
-_COMPAT_TARGETS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>[]|_:")
-"""ASCII characters a marker is spelled with: a compatibility character whose NFKC form holds one of them may
+_COMPAT_TARGETS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ<>[]|_:=#*~-")
+"""ASCII characters a marker is spelled with (letters, brackets, bar, underscore, colon, the `=` of `<function=`,
+and the `#*_=~-` a role line may open with): a compatibility character whose NFKC form holds one of them may
 spell a marker in that form (`_compat_markers`)."""
 
 
@@ -387,11 +388,11 @@ def _char_class(chars: Iterable[str]) -> str:
 
 
 DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS = _build_tables()
-_COMPAT_SET = frozenset(_COMPAT_FORMS)
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}``: look-alikes of ``<`` ``>`` ``/``
 ``:`` ``\\``, invisible, control and format characters except newline, tab and a carriage return before a
 line feed, and lone surrogates. ASCII ``<`` and ``>`` are not in it: they are escaped only where they
 would start a boundary or a chat token."""
+_COMPAT_SET = frozenset(_COMPAT_FORMS)
 
 _ATTR_TABLE = {**_ESCAPE_TABLE, **{ord(ch): f"\\u{{{ord(ch):X}}}" for ch in '"\n\r<>'}}
 """Attribute values also escape ``"``, line breaks and every ``<`` and ``>``: the opener stays one clean line."""
@@ -528,19 +529,35 @@ def _compat_markers(out: str) -> str:
     marker, `ctx:` or a role line written with compatibility characters (fullwidth or mathematical letters,
     ligatures such as `ﬆ`, squared abbreviations such as `㏌`, fullwidth brackets and underscores), which a
     tokenizer or a pipeline that normalises reads as the marker. The markers `out` spells as it is are escaped
-    already, so they are not in its NFKC form any more."""
-    forms = [_COMPAT_FORMS.get(ch, ch) for ch in out]
+    already, so they are not in its NFKC form any more. Every marker lies within a line, so only the lines that
+    hold a compatibility character are looked at (one `™` in a long page costs its line, not the page)."""
+    lines = out.split("\n")
+    changed = False
+    for n, line in enumerate(lines):
+        if not _COMPAT_SET.isdisjoint(line):
+            fixed = _compat_line(line + "\n" if n + 1 < len(lines) else line)
+            if n + 1 < len(lines):
+                fixed = fixed[:-1]
+            if fixed != line:
+                lines[n], changed = fixed, True
+    return "\n".join(lines) if changed else out
+
+
+def _compat_line(line: str) -> str:
+    """`_compat_markers` for one line (with the line feed that ends it, which a tag's lookahead may need)."""
+    forms = [_COMPAT_FORMS.get(ch, ch) for ch in line]
     starts = list(accumulate(map(len, forms), initial=0))
     view = "".join(forms)
     at: set[int] = set()
     at.update(m.start() for m in _ANGLE_RE.finditer(view))
     at.update(m.start() for m in _BRACKET_TAG_RE.finditer(view))
     at.update(m.start() for m in _CTX_COLON_RE.finditer(view))
-    roles = [_ROLE_AT_START_RE.match(view), *_ROLE_AFTER_NEWLINE_RE.finditer(view)]
-    at.update(m.start("first") for m in roles if m is not None and _ROLE_EXACT_RE.match(view, m.start("first")))
+    role = _ROLE_AT_START_RE.match(view)
+    if role is not None and _ROLE_EXACT_RE.match(view, role.start("first")):
+        at.add(role.start("first"))
     if not at:
-        return out
-    chars = list(out)
+        return line
+    chars = list(line)
     for k in {bisect.bisect_right(starts, v) - 1 for v in at}:
         chars[k] = _escape_char(chars[k])
     return "".join(chars)
@@ -557,11 +574,13 @@ def _escape_markers(out: str) -> str:
         out = _BRACKET_TAG_RE.sub(r"\\u{5B}", out)
     if ":" in out:
         out = _CTX_COLON_RE.sub(r"\\u{3A}", out)
+    # Before the role passes: an escape this writes at a line's start (`\u{3C}`) is part of the run a role word
+    # may follow, so the role passes must see it.
+    if not out.isascii() and not _COMPAT_SET.isdisjoint(out):
+        out = _compat_markers(out)
     if (first := _ROLE_AT_START_RE.match(out)) is not None:
         out = _escape_role(first) + out[first.end() :]
     out = _ROLE_AFTER_NEWLINE_RE.sub(_escape_role, out)
-    if not out.isascii() and not _COMPAT_SET.isdisjoint(out):
-        out = _compat_markers(out)
     if _LITERAL_BACKSLASH not in out:
         return out
     return _LITERAL_RUN_BEFORE_ESCAPE_RE.sub(_double_run, out).replace(_LITERAL_BACKSLASH, "\\")
