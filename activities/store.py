@@ -396,33 +396,69 @@ ORDER BY created_at, memory_id LIMIT $2"""
 
 
 def recall_sql(scope: str, terms: str, exclude: str, limit: str) -> str:
-    """The scope's memories matching `terms`, best first, at most `limit`, none of `exclude` (the snapshot's, in view):
-    (memory_id, text, trust, rank). A memory that has corrections is recalled as its latest one (as a snapshot
-    memory's correction line is), so a corrected fact never comes back with its old text; a match on a memory and on
-    its correction is recalled once."""
+    """The scope's memories matching `terms`, best first, at most `limit`: (memory_id, text, trust, rank). A match
+    stands for its correction tree (the memory at the top of its `corrects` chain, and every correction below it,
+    corrections of corrections too), which is recalled once, as its newest memory: a corrected fact never comes
+    back with its old text, whether the match is the fact or an older correction of it. A tree whose top is in
+    `exclude` (the snapshot's, in view with its correction line) is not recalled. The trees of the best `4 *
+    limit` matches are looked at."""
     return f"""
 SELECT memory_id, text, trust, rank FROM (
-    SELECT DISTINCT ON (coalesce(fix.memory_id, m.memory_id)) coalesce(fix.memory_id, m.memory_id) AS memory_id,
-           coalesce(fix.text, m.text) AS text, coalesce(fix.trust, m.trust) AS trust, ts_rank(m.tsv, q) AS rank
-    FROM memories m CROSS JOIN websearch_to_tsquery('english', {terms}) AS q
-    LEFT JOIN LATERAL (
-        SELECT c.memory_id, c.text, c.trust FROM memories c WHERE c.scope = m.scope AND c.corrects = m.memory_id
-        ORDER BY c.created_at DESC, c.memory_id DESC LIMIT 1
-    ) fix ON true
-    WHERE m.scope = {scope} AND m.tsv @@ q AND NOT (m.memory_id = ANY({exclude}))
-      AND NOT starts_with(m.memory_id, 'withdrawn:')
-    ORDER BY coalesce(fix.memory_id, m.memory_id), ts_rank(m.tsv, q) DESC
+    SELECT DISTINCT ON (cur.root_id) cur.memory_id, cur.text, cur.trust, hit.rank
+    FROM (
+        SELECT m.memory_id, m.scope, ts_rank(m.tsv, q) AS rank
+        FROM memories m CROSS JOIN websearch_to_tsquery('english', {terms}) AS q
+        WHERE m.scope = {scope} AND m.tsv @@ q AND NOT starts_with(m.memory_id, 'withdrawn:')
+        ORDER BY rank DESC, m.memory_id LIMIT 4 * {limit}
+    ) hit
+    CROSS JOIN LATERAL (
+        WITH RECURSIVE up(memory_id, corrects, depth) AS (
+            SELECT u.memory_id, u.corrects, 0 FROM memories u WHERE u.scope = hit.scope AND u.memory_id = hit.memory_id
+            UNION ALL
+            SELECT p.memory_id, p.corrects, up.depth + 1 FROM up JOIN memories p
+            ON p.scope = hit.scope AND p.memory_id = up.corrects WHERE up.depth < {CORRECTION_DEPTH}
+        ), root AS (SELECT memory_id FROM up ORDER BY depth DESC LIMIT 1),
+        down(memory_id, depth) AS (
+            SELECT memory_id, 0 FROM root
+            UNION ALL
+            SELECT c.memory_id, down.depth + 1 FROM down JOIN memories c
+            ON c.scope = hit.scope AND c.corrects = down.memory_id
+            WHERE down.depth < {CORRECTION_DEPTH} AND NOT starts_with(c.memory_id, 'withdrawn:')
+        )
+        SELECT (SELECT memory_id FROM root) AS root_id, x.memory_id, x.text, x.trust
+        FROM down JOIN memories x ON x.scope = hit.scope AND x.memory_id = down.memory_id
+        ORDER BY x.created_at DESC, x.memory_id DESC LIMIT 1
+    ) cur
+    WHERE NOT (cur.root_id = ANY({exclude}))
+    ORDER BY cur.root_id, hit.rank DESC
 ) hits ORDER BY rank DESC, memory_id LIMIT {limit}"""
+
+
+def corrections_sql(scope: str, ids: str) -> str:
+    """Each of the memories `ids` (a snapshot's) that has corrections, by the newest memory of its correction tree
+    (corrections of corrections too; a withdrawal counts): (memory_id, text, trust, corrects: the snapshot memory,
+    created_at). One line per corrected memory, however many corrections its scope holds."""
+    return f"""
+WITH RECURSIVE tree(root, memory_id, depth) AS (
+    SELECT c.corrects, c.memory_id, 1 FROM memories c WHERE c.scope = {scope} AND c.corrects = ANY({ids})
+    UNION ALL
+    SELECT tree.root, c.memory_id, tree.depth + 1 FROM tree JOIN memories c
+    ON c.scope = {scope} AND c.corrects = tree.memory_id WHERE tree.depth < {CORRECTION_DEPTH}
+)
+SELECT DISTINCT ON (tree.root) m.memory_id, m.text, m.trust, tree.root AS corrects, m.created_at
+FROM tree JOIN memories m ON m.scope = {scope} AND m.memory_id = tree.memory_id
+ORDER BY tree.root, m.created_at DESC, m.memory_id DESC"""
+
+
+CORRECTION_DEPTH = 32  # a correction chain is followed this far (each link is a write of another correction)
 
 
 SQL_SEARCH = recall_sql("$1", "$2", "$3::text[]", "$4")
 # A memory's correction line is its latest correction (a later one supersedes an earlier one; a withdrawal is a
 # correction): one line per corrected snapshot memory, however many corrections its scope holds.
-SQL_CORRECTIONS = """
-SELECT memory_id, text, trust, corrects FROM (
-    SELECT DISTINCT ON (corrects) memory_id, text, trust, corrects, created_at FROM memories
-    WHERE scope = $1 AND corrects = ANY($2::text[]) ORDER BY corrects, created_at DESC, memory_id DESC
-) latest ORDER BY created_at, memory_id"""
+SQL_CORRECTIONS = f"""
+SELECT memory_id, text, trust, corrects FROM ({corrections_sql("$1", "$2::text[]")}) latest
+ORDER BY created_at, memory_id"""
 SQL_ADD_WS_WRITE = """
 INSERT INTO working_state_writes (session_id, write_key, turn, write) VALUES ($1, $2, $3, $4)
 ON CONFLICT (session_id, write_key) DO NOTHING"""
@@ -451,18 +487,20 @@ SQL_TURN_READS = _with_blocks(
   (SELECT coalesce(jsonb_agg(w.write ORDER BY w.position), '[]') FROM working_state_writes w
      WHERE w.session_id = $1) AS working_state_writes,
   cp.checkpoint,
-  (SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', m.memory_id, 'text', m.text, 'trust', m.trust,
-                                                'corrects', m.corrects) ORDER BY m.created_at, m.memory_id), '[]')
-     FROM (SELECT DISTINCT ON (c.corrects) c.* FROM memories c  -- each memory's latest correction (SQL_CORRECTIONS)
-           WHERE c.scope = s.open->>'memory_scope' AND c.corrects = ANY(snap.ids)
-           ORDER BY c.corrects, c.created_at DESC, c.memory_id DESC) m) AS corrections,
+  CASE WHEN EXISTS (  -- most snapshots have no correction: the trees are walked only when one has
+    SELECT 1 FROM memories c WHERE c.scope = s.open->>'memory_scope' AND c.corrects = ANY(snap.ids)
+  ) THEN (SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', m.memory_id, 'text', m.text, 'trust', m.trust,
+                                                      'corrects', m.corrects) ORDER BY m.created_at, m.memory_id),
+                          '[]')
+          FROM ({CORRECTIONS}) m)  -- as SQL_CORRECTIONS
+  ELSE '[]'::jsonb END AS corrections,
   CASE WHEN $5::text IS NOT NULL THEN (
     SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', r.memory_id, 'text', r.text, 'trust', r.trust)
                               ORDER BY r.rank DESC, r.memory_id), '[]')
     FROM ({RECALL}) r
   ) END AS recall""".replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS).replace(
         "{RECALL}", recall_sql("s.open->>'memory_scope'", "$5::text", "snap.ids", "$6")
-    ),
+    ).replace("{CORRECTIONS}", corrections_sql("s.open->>'memory_scope'", "snap.ids")),
     """FROM sessions s
 LEFT JOIN LATERAL ({LATEST_CHECKPOINT}) cp ON true
 {LIVE_LOG}

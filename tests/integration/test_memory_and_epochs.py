@@ -181,6 +181,15 @@ async def test_corrections_of_one_memory_render_as_its_latest(
         assert request is not None
         lines = [s["text"] for s in request.body if s["kind"] == "correction"]
         assert len(lines) == 1 and "correction 15:" in lines[0], [line[:40] for line in lines]
+        # A correction of the latest correction is the memory's line now; no correction of it is recalled beside
+        # its line (the snapshot holds the memory).
+        await _remember(store, scope, "fixfix", "The office is in Oslo after all.", corrects="fix15")
+        answered = await turn(handle, "where is the office moved again?")
+        request = await store.get_request(answered.plan.request_sha256)
+        assert request is not None
+        lines = [s["text"] for s in request.body if s["kind"] == "correction"]
+        assert len(lines) == 1 and "Oslo after all" in lines[0], [line[:40] for line in lines]
+        assert not [s for s in request.body if s["kind"] == "recall"]
 
 
 async def test_a_rotation_frees_a_session_a_correction_filled(
@@ -273,6 +282,11 @@ async def test_a_corrected_memory_is_recalled_as_its_latest_correction(
         # A match on the memory and on its latest correction is recalled once.
         rows = await store.search_memories(scope, "parking garage code 9090 May", limit=5)
         assert [r.memory_id for r in rows] == ["fix2"]
+        # A match on an older correction alone is the same fact: recalled as its newest memory, and so is a
+        # correction of a correction.
+        assert [r.memory_id for r in await store.search_memories(scope, "what changed in March", limit=5)] == ["fix2"]
+        await _remember(store, scope, "fix3", "No: it is 7070 since June.", corrects="fix2")
+        assert [r.text for r in await store.search_memories(scope, "March", limit=5)] == ["No: it is 7070 since June."]
 
 
 async def test_a_fact_whose_memory_id_another_writer_took_is_not_reported_formed(
