@@ -498,9 +498,9 @@ SQL_TURN_READS = _with_blocks(
     SELECT coalesce(jsonb_agg(jsonb_build_object('memory_id', r.memory_id, 'text', r.text, 'trust', r.trust)
                               ORDER BY r.rank DESC, r.memory_id), '[]')
     FROM ({RECALL}) r
-  ) END AS recall""".replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS).replace(
-        "{RECALL}", recall_sql("s.open->>'memory_scope'", "$5::text", "snap.ids", "$6")
-    ).replace("{CORRECTIONS}", corrections_sql("s.open->>'memory_scope'", "snap.ids")),
+  ) END AS recall""".replace("{LIVE_LOG_COLUMNS}", LIVE_LOG_COLUMNS)
+    .replace("{RECALL}", recall_sql("s.open->>'memory_scope'", "$5::text", "snap.ids", "$6"))
+    .replace("{CORRECTIONS}", corrections_sql("s.open->>'memory_scope'", "snap.ids")),
     """FROM sessions s
 LEFT JOIN LATERAL ({LATEST_CHECKPOINT}) cp ON true
 {LIVE_LOG}
