@@ -3,6 +3,7 @@ write their results idempotently: a retried activity finds its own earlier write
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
@@ -123,6 +124,7 @@ class CompactionActivities(CompactionActivityCalls):
     @activity.defn(name=names.ACTIVITY_COMPACTION_SUMMARIZE)
     async def summarize(self, inp: SummarizeInput) -> int:
         """Summarize one trusted chunk; the exact input is recorded beside its summary."""
+        began = time.monotonic()
         existing = await self.store.get_summary(inp.session_id, inp.checkpoint_id, inp.chunk_index)
         if existing is not None:
             return len(existing)
@@ -151,7 +153,8 @@ class CompactionActivities(CompactionActivityCalls):
                     text=chunk.text,
                     max_tokens=min(SUMMARY_MAX_TOKENS, summary_tokens),
                 )
-            )
+            ),
+            spent_s=time.monotonic() - began,
         )
         summary, why = fitted_summary(reply.text, chunk.text, summary_tokens, self.state.counter(profile.encoding))
         if why is not None:

@@ -289,14 +289,15 @@ async def _store_waiting(op: Callable[[], Awaitable[T]]) -> T:
             delay = min(delay * 2, MAXIMUM_INTERVAL_S)
 
 
-async def within_attempt(work: Awaitable[T]) -> T:
+async def within_attempt(work: Awaitable[T], *, spent_s: float = 0.0) -> T:
     """`work`, cut off just before this attempt's start-to-close timeout: a late reply must not be stored after
-    Temporal has given up on the attempt (and the turn may have failed). A typed, retryable timeout."""
+    Temporal has given up on the attempt (and the turn may have failed). A typed, retryable timeout. `spent_s`: how
+    long the attempt ran before `work` began (its reads), which the timeout counts too."""
     limit = activity.info().start_to_close_timeout
     if limit is None:
         return await work
     try:
-        return await asyncio.wait_for(work, timeout=max(0.1, limit.total_seconds() - 0.25))
+        return await asyncio.wait_for(work, timeout=max(0.1, limit.total_seconds() - spent_s - 0.25))
     except TimeoutError:
         raise ApplicationError(
             f"the model did not answer within {limit.total_seconds():g} s (timeouts.model_seconds)",

@@ -644,6 +644,7 @@ ORDER BY table_name"""
 SQL_PURGED_TOMBSTONE = """
 INSERT INTO purged_sessions (session_id, opened_at, closed_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"""
 SQL_PURGED = "SELECT opened_at AS created_at, closed_at, ''::bytea AS secret FROM purged_sessions WHERE session_id = $1"
+SQL_ID_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('ctxengine.session_id:' || $1, 0))"
 SQL_PURGE_REQUESTS = """
 DELETE FROM rendered_requests WHERE sha256 IN (SELECT request_sha256 FROM request_records WHERE session_id = $1)
    OR prefix_sha256 IN (SELECT sha256 FROM prefixes WHERE session_id = $1)"""
@@ -781,6 +782,7 @@ class Store:
         otherwise left alone: a session id names one session forever.
         """
         async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(SQL_ID_LOCK, session_id)  # against a purge of the id in flight (purge_session)
             purged = await conn.fetchrow(SQL_PURGED, session_id)
             if purged is not None:  # its session was purged: the id stays its
                 return _claim(purged, owned=False)
@@ -1245,6 +1247,8 @@ class Store:
         unless the caller checked otherwise that it ended (a session that failed to open is never closed)."""
         counts: dict[str, int] = {}
         async with self.pool.acquire() as conn, conn.transaction():
+            # A start claiming the id waits for this purge's tombstone, and sees it (claim_session).
+            await conn.execute(SQL_ID_LOCK, session_id)
             row = await conn.fetchrow(
                 "SELECT created_at, closed_at FROM sessions WHERE session_id = $1 FOR UPDATE", session_id
             )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from contract.names import TASK_QUEUE
@@ -64,11 +64,13 @@ class Settings(BaseSettings):
             _host_port(value)
         return value
 
-    @field_validator("home", mode="before")
+    @field_validator("home", "tiktoken_cache_dir", mode="before")
     @classmethod
-    def _home(cls, value: Any) -> Any:
-        """An empty CTXENGINE_HOME is unset (the default), not the current directory."""
-        return Path(".ctxengine") if isinstance(value, str) and not value.strip() else value
+    def _directory(cls, value: Any, info: ValidationInfo) -> Any:
+        """An empty directory variable is unset (its default), not the current directory."""
+        if isinstance(value, str) and not value.strip():
+            return Path(".ctxengine") if info.field_name == "home" else None
+        return value
 
     @field_validator("database_url")
     @classmethod

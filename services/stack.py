@@ -40,7 +40,8 @@ async def services(*, temporal: bool = True) -> AsyncIterator[Services]:
             store = await stack.enter_async_context(Store.from_dsn(dsn))
             await store.migrate()
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise PostgresUnreachable(f"PostgreSQL (CTXENGINE_DATABASE_URL) cannot be used: {exc}") from exc
+            which = "CTXENGINE_DATABASE_URL" if settings().database_url else f"the embedded one in {home}"
+            raise PostgresUnreachable(f"PostgreSQL ({which}) cannot be used: {exc}") from exc
         yield Services(temporal_address=address, ui_url=ui, store=store)
 
 

@@ -82,6 +82,7 @@ def test_names_are_read_as_written_and_blank_or_off_mean_what_they_say(monkeypat
     monkeypatch.setenv("ctxengine_database_url", "mysql://not-ours@h/db")
     assert settings().database_url is None
     assert str(settings({"CTXENGINE_HOME": ""}).home) == ".ctxengine"
+    assert settings({"TIKTOKEN_CACHE_DIR": ""}).tiktoken_cache_dir is None
     assert settings({"CTXENGINE_METRICS_ADDRESS": "OFF"}).metrics_address == "off"
 
 
