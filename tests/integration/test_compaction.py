@@ -82,6 +82,17 @@ async def test_laundering_constraints_and_prefix(temporal_client: Client, pg_dsn
         records = await store.records(handle.id)
         assert len({r.prefix_sha256 for r in records}) == 1
 
+        # The escalation's event says why the plan escalated (it said "summary depth is capped at 2" whatever the
+        # reason was), and its fresh body how many times the context was summarized.
+        escalated = [
+            e.payload
+            for e in await store.events(handle.id)
+            if e.type == "context.compaction.completed" and e.payload["decision"] == "escalate"
+        ]
+        plans = [await store.get_compaction_plan(handle.id, e["checkpoint_id"]) for e in escalated]
+        assert escalated and all(
+            e["reason"].startswith(f"{p['reason']}; child run from ") for e, p in zip(escalated, plans, strict=True)
+        )
         # Compaction and escalation are child workflows of the session.
         kids = [w.id async for w in temporal_client.list_workflows(f'WorkflowId STARTS_WITH "{handle.id}/"')]
         assert any("/compaction/" in k for k in kids) and any("/child-run/" in k for k in kids)
