@@ -429,6 +429,22 @@ def blocks(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for m in body["messages"] for b in m["content"]]
 
 
+async def _fetching_on_a_small_results_cap(anthropic_srv: FakeServer, *, fetches: int) -> Session:
+    """A session whose tool-results cap holds about one result, after `fetches` turns of one page each: yield 2
+    turns the older results into pointers as the turns go."""
+    session = Session(
+        anthropic_provider(anthropic_srv),
+        "anthropic",
+        budget=ContextBudget(tool_results_share=0.001),  # room for about one result
+        fetched=INJECTION + " filler" * 150,
+    )
+    queue = anthropic_tool_call(anthropic_srv)
+    for n in range(fetches):
+        queue(f"call_fetch_{n}", "web__fetch", {"url": f"https://example.com/{n}"})
+        await session.turn_(f"Fetch page {n}.")
+    return session
+
+
 class TestAnthropicWire:
     async def test_region_a_bytes_identical_and_breakpoint_on_system(self, anthropic_srv: FakeServer) -> None:
         """tools and system are the same bytes on every request; the system block carries the breakpoint."""
@@ -483,16 +499,7 @@ class TestAnthropicWire:
 
     async def test_a_pointer_conversion_keeps_the_bytes_before_the_frontier(self, anthropic_srv: FakeServer) -> None:
         """When yield 2 turns the oldest result into a pointer, every block before the old frontier is unchanged."""
-        session = Session(
-            anthropic_provider(anthropic_srv),
-            "anthropic",
-            budget=ContextBudget(tool_results_share=0.001),  # room for about one result
-            fetched=INJECTION + " filler" * 150,
-        )
-        queue = anthropic_tool_call(anthropic_srv)
-        for n in range(3):
-            queue(f"call_fetch_{n}", "web__fetch", {"url": f"https://example.com/{n}"})
-            await session.turn_(f"Fetch page {n}.")
+        session = await _fetching_on_a_small_results_cap(anthropic_srv, fetches=3)
         converted = next(i for i, n in enumerate(session.yields) if n > 0)
         before = blocks(anthropic_srv.requests[converted - 1].body)
         after = blocks(anthropic_srv.requests[converted].body)
@@ -512,16 +519,7 @@ class TestAnthropicWire:
         documented lookback, a request that turns results into pointers reads the history up to the previous
         request's frontier (more than Region A); under the strict rule it reads Region A alone (the previous
         request's marks all lie past the first converted result, and this request's frontier is new)."""
-        session = Session(
-            anthropic_provider(anthropic_srv),
-            "anthropic",
-            budget=ContextBudget(tool_results_share=0.001),  # room for about one result
-            fetched=INJECTION + " filler" * 150,
-        )
-        queue = anthropic_tool_call(anthropic_srv)
-        for n in range(6):
-            queue(f"call_fetch_{n}", "web__fetch", {"url": f"https://example.com/{n}"})
-            await session.turn_(f"Fetch page {n}.")
+        session = await _fetching_on_a_small_results_cap(anthropic_srv, fetches=6)
         count = TiktokenCounter().count
         reads: dict[int, list[int]] = {}
         for lookback in (0, ANTHROPIC_LOOKBACK_BLOCKS):
