@@ -454,8 +454,8 @@ CORRECTION_DEPTH = 32  # a correction chain is followed this far (each link is a
 
 
 SQL_SEARCH = recall_sql("$1", "$2", "$3::text[]", "$4")
-# A memory's correction line is its latest correction (a later one supersedes an earlier one; a withdrawal is a
-# correction): one line per corrected snapshot memory, however many corrections its scope holds.
+# A snapshot memory's correction line is the newest memory of its correction tree (`corrections_sql`): one line
+# per corrected snapshot memory, however many corrections its scope holds.
 SQL_CORRECTIONS = f"""
 SELECT memory_id, text, trust, corrects FROM ({corrections_sql("$1", "$2::text[]")}) latest
 ORDER BY created_at, memory_id"""

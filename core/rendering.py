@@ -594,8 +594,10 @@ def escape_content(text: str) -> str:
     surrogates); a ``<`` followed by ``<``, by a vertical bar or look-alike (``<|im_start|>``, ``<｜``), or
     opening a chat tag (``<s>``, ``</s>``, ``<start_of_turn>``, ``<tool_call>`` ...); the ``[`` of
     ``[INST]``-style markers; the ``:`` of ``ctx:`` (any case or look-alike letters); the first character
-    of a line-opening role marker (``System:``). Other ``<`` and ``>`` stay. A run of literal backslashes is
-    doubled only where ``u{`` or an escape follows it in the output; every other backslash stays single.
+    of a line-opening role marker (``System:``); a combining mark right after ``<`` or ``>``; the first character
+    of any of those markers that only the NFKC form spells (``<ｓｙｓｔｅｍ>``, ``Syﬆem:``). Other ``<`` and ``>``
+    stay. A run of literal backslashes is doubled only where ``u{`` or an escape follows it in the output; every
+    other backslash stays single.
     """
     return _escape_markers(_escape_chars(text))
 
