@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from temporalio.client import Client, WorkflowUpdateFailedError
 
 from activities.store import Store
 from contract import names
-from contract.payloads import ModelRoute, RotateEpoch, SessionState, WriteMemory
+from contract.payloads import ModelRoute, RotateEpoch, SessionState, TurnResult, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = pytest.mark.integration
@@ -176,20 +177,16 @@ async def test_corrections_of_one_memory_render_as_its_latest(
         for i in range(16):
             text = f"correction {i}: " + "the office moved again " * 170
             await _remember(store, scope, f"fix{i}", text, corrects="msnap")
-        answered = await turn(handle, "where is the office?")
-        request = await store.get_request(answered.plan.request_sha256)
-        assert request is not None
-        lines = [s["text"] for s in request.body if s["kind"] == "correction"]
+        body = await _body_of(store, await turn(handle, "where is the office?"))
+        lines = [s["text"] for s in body if s["kind"] == "correction"]
         assert len(lines) == 1 and "correction 15:" in lines[0], [line[:40] for line in lines]
         # A correction of the latest correction is the memory's line now; no correction of it is recalled beside
         # its line (the snapshot holds the memory).
         await _remember(store, scope, "fixfix", "The office is in Oslo after all.", corrects="fix15")
-        answered = await turn(handle, "where is the office moved again?")
-        request = await store.get_request(answered.plan.request_sha256)
-        assert request is not None
-        lines = [s["text"] for s in request.body if s["kind"] == "correction"]
+        body = await _body_of(store, await turn(handle, "where is the office moved again?"))
+        lines = [s["text"] for s in body if s["kind"] == "correction"]
         assert len(lines) == 1 and "Oslo after all" in lines[0], [line[:40] for line in lines]
-        assert not [s for s in request.body if s["kind"] == "recall"]
+        assert not [s for s in body if s["kind"] == "recall"]
 
 
 async def test_a_rotation_frees_a_session_a_correction_filled(
@@ -250,6 +247,13 @@ async def test_one_oversized_memory_does_not_empty_the_snapshot(
         assert prefix is not None
         kept = [s["item_id"] for s in prefix.prefix["segments"] if s["kind"] == "memory_snapshot"]
         assert kept and kept == [f"memory.s{i:02d}" for i in range(len(kept))], kept  # the oldest that fit the cap
+
+
+async def _body_of(store: Store, answered: TurnResult) -> list[dict[str, Any]]:
+    """The stored body of the request that answered a turn."""
+    request = await store.get_request(answered.plan.request_sha256)
+    assert request is not None
+    return request.body
 
 
 async def _remember(store: Store, scope: str, memory_id: str, text: str, corrects: str | None = None) -> None:
