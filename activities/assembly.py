@@ -52,6 +52,9 @@ class RequestInputs(BaseModel):
     now_iso: str
     profile: ModelProfile
     budget: ContextBudget
+    # The estimator's rules this request was built under (core/estimator.py, ESTIMATE_RULES_VERSION); records
+    # written before the rules were versioned were built under rules 1.
+    estimate_rules: int = 1
 
 
 def body_inputs(

@@ -195,6 +195,7 @@ class BuildActivities(BuildCalls):
             now_iso=inp.now_iso,
             profile=estimator.profile,
             budget=open_.context_budget(estimator.profile),
+            estimate_rules=estimator.rules,
         )
         body = body_inputs(logged, checkpoint, ri)
         try:

@@ -83,7 +83,7 @@ async def rebuild_session(
         ri = RequestInputs.model_validate(rec.inputs)
         profile = overrides.profile or ri.profile
         budget = ContextBudget.model_validate({**ri.budget.model_dump(), **overrides.budget})
-        estimator = TokenEstimator(profile, counter_for(profile.encoding))
+        estimator = TokenEstimator(profile, counter_for(profile.encoding), rules=ri.estimate_rules)
         base = RebuiltRequest(
             turn=rec.turn,
             call_index=rec.call_index,

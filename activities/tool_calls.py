@@ -173,7 +173,7 @@ class ToolCallActivities(ToolCalls):
         prefix, profile = await self.state.prefix(inp.session_id, inp.epoch, cache)
         budget = open_.context_budget(profile)
         estimator = TokenEstimator(profile, self.state.counter(profile.encoding))
-        body = budget.input_limit - estimator.prefix_tokens(prefix.raw_tokens, prefix.tool_count)
+        body = budget.input_limit - estimator.prefix_reserve(prefix.raw_tokens, prefix.tool_count)
         return max(64, budget.tool_results_cap(body))
 
     async def _update_working_state(self, inp: ToolInput, *, tainted: bool) -> _Outcome:

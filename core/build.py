@@ -577,7 +577,8 @@ def build(
     unit = estimator.body_unit()
     per_msg = estimator.profile.per_message_tokens
     prefix_tokens = estimator.prefix_tokens(prefix.raw_tokens, prefix.tool_count)
-    available = budget.input_limit - prefix_tokens
+    prefix_reserve = estimator.prefix_reserve(prefix.raw_tokens, prefix.tool_count)
+    available = budget.input_limit - prefix_reserve
 
     def est(seg: Segment) -> float:
         return (seg.raw_tokens + per_msg) * unit
@@ -620,7 +621,7 @@ def build(
         for s in fixed:
             seg = instead.get(id(s), s)
             by_class[seg.budget_class.value] = by_class.get(seg.budget_class.value, 0) + math.ceil(est(seg))
-        raise TurnTooLargeError(by_class, available, prefix_tokens=prefix_tokens, input_limit=budget.input_limit)
+        raise TurnTooLargeError(by_class, available, prefix_tokens=prefix_reserve, input_limit=budget.input_limit)
 
     yields: list[YieldApplied] = []
     # Recall within its own cap, best rank first.
@@ -817,7 +818,7 @@ def build(
         prefix_text=prefix.text,
         status=status,
         deficit_tokens=deficit,
-        estimated_tokens=prefix_tokens + body_tokens,
+        estimated_tokens=prefix_reserve + body_tokens,
         raw_tokens=raw_total
         + len(body_segments) * per_msg
         + prefix.tool_count * estimator.profile.per_tool_tokens
@@ -825,6 +826,7 @@ def build(
         input_limit=budget.input_limit,
         prefix_tokens=prefix_tokens,
         body_tokens=body_tokens,
+        prefix_margin_tokens=prefix_reserve - prefix_tokens,
         tokens_by_class=tokens_by_class,
         yields=yields,
         untrusted_in_view=older_tainted > 0 or any(s.taints for s in tail),

@@ -2,7 +2,7 @@
 
 Core never imports tiktoken: it receives a `TokenCounter`. tiktoken is not every provider's tokenizer
 (Claude counts 1.0-1.45x more), so each model profile carries a calibration ratio learned from the usage
-every response reports, and body estimates add a 5% safety margin on top.
+every response reports, and estimates add a 5% safety margin on top: to the body, and (rules 2) to the prefix.
 """
 
 from __future__ import annotations
@@ -11,6 +11,13 @@ import math
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# What an estimate adds its safety margin to. 1: the body only (the prefix taken at its calibrated count). 2: the
+# whole request. The calibration is learned from whole requests, whose per-message overheads dilute the observed
+# ratio, so a prefix that is mostly text can count more per token than the calibration says: under rules 1 a
+# reconciled request could still be estimated under the provider's count, and sent over its window. Each request
+# record keeps the rules it was built under (`RequestInputs.estimate_rules`), so replay rebuilds it the same way.
+ESTIMATE_RULES_VERSION = 2
 
 
 class TokenCounter(Protocol):
@@ -74,9 +81,10 @@ class TokenEstimator:
     # How fast the ratio relaxes downwards after an overestimate; upward moves are immediate.
     RELAX = 0.1
 
-    def __init__(self, profile: ModelProfile, counter: TokenCounter) -> None:
+    def __init__(self, profile: ModelProfile, counter: TokenCounter, *, rules: int = ESTIMATE_RULES_VERSION) -> None:
         self.profile = profile
         self.counter = counter
+        self.rules = rules
 
     def count(self, text: str) -> int:
         return self.counter.count(text)
@@ -85,6 +93,12 @@ class TokenEstimator:
         """Exact count of the prefix bytes, in the provider's units."""
         p = self.profile
         return math.ceil((raw_tokens + tools * p.per_tool_tokens + p.request_overhead_tokens) * p.calibration)
+
+    def prefix_reserve(self, raw_tokens: int, tools: int = 0) -> int:
+        """What a request's budget sets aside for the prefix: its count (`prefix_tokens`) with the safety margin
+        (rules 2; rules 1 took the count alone)."""
+        exact = self.prefix_tokens(raw_tokens, tools)
+        return math.ceil(exact * (1.0 + self.profile.safety_margin)) if self.rules >= 2 else exact
 
     def body_unit(self) -> float:
         """Multiplier from raw counted tokens to conservative estimated body tokens."""

@@ -82,6 +82,8 @@ class PlanSummary(BaseModel):
     input_limit: int
     prefix_tokens: int
     body_tokens: int
+    # The safety margin set aside beside the prefix (core/estimator.py, rules 2): estimated = prefix + margin + body.
+    prefix_margin_tokens: int = 0
     tokens_by_class: dict[str, int]
     yields: list[YieldApplied] = Field(default_factory=list)
     segments: int
@@ -105,6 +107,7 @@ class ContextPlan(BaseModel):
     input_limit: int
     prefix_tokens: int
     body_tokens: int
+    prefix_margin_tokens: int
     tokens_by_class: dict[str, int]
     yields: list[YieldApplied]
     untrusted_in_view: bool = False
@@ -131,6 +134,7 @@ class ContextPlan(BaseModel):
             input_limit=self.input_limit,
             prefix_tokens=self.prefix_tokens,
             body_tokens=self.body_tokens,
+            prefix_margin_tokens=self.prefix_margin_tokens,
             tokens_by_class=self.tokens_by_class,
             yields=self.yields,
             segments=len(self.segments),

@@ -133,10 +133,11 @@ class _OptimisticTokenizer(ScriptedProvider):
 async def test_optimistic_estimator_fails_the_budget_gate(temporal_client: Client, pg_dsn: str) -> None:
     """With an estimator 10% optimistic (a provider registered by this test), a first request near its limit
     goes over it, and the budget gate says so."""
-    # A paste whose request is estimated at ~96% of the 3,496-token limit (measured against the current prefix):
-    # 10% more is over it. The database is fresh, so this is the provider's first request and no observed ratio
+    # A paste whose request is estimated at ~96% of the 3,496-token limit (3,367 tokens, measured against the
+    # current prefix and the whole-request margin of estimate rules 2; 680 words before that margin): 10% more is
+    # over it. The database is fresh, so this is the provider's first request and no observed ratio
     # has corrected the estimator yet.
-    scripts = [Script(seed=9_790, window=4_096, output_reserve=600, ratio=1.0, ops=(Op("paste", 680, 3),))]
+    scripts = [Script(seed=9_790, window=4_096, output_reserve=600, ratio=1.0, ops=(Op("paste", 600, 3),))]
     result = await run_gate(
         "budget",
         client=temporal_client,

@@ -222,7 +222,7 @@ async def test_failed_compaction_does_not_poison_later_ones(
         from temporalio.client import WorkflowUpdateFailedError
         from temporalio.exceptions import ApplicationError
 
-        await turn(handle, "too long for anything beside it: " + "detail " * 2_300)
+        await turn(handle, "too long for anything beside it: " + "detail " * 2_250)
         with pytest.raises(WorkflowUpdateFailedError) as info:
             await turn(handle, "too long: " + "detail " * 4_000)
         cause = info.value.cause

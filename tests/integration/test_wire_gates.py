@@ -70,8 +70,14 @@ def records_of(session: tp.Session) -> list[dict[str, Any]]:
             "turn": index,
             "call_index": 0,
             "inputs": {"checkpoint_id": None, "profile": ESTIMATOR_PROFILE},
-            "plan": {"pointers": session.yields[index], "yields": [], "input_limit": tp.BUDGET.input_limit},
+            "plan": {
+                "pointers": session.yields[index],
+                "yields": [],
+                "input_limit": tp.BUDGET.input_limit,
+                "status": "fits",
+            },
             "estimated_tokens": sent.request.estimated_tokens,
+            "actual_input_tokens": sent.reply.usage.input_tokens,
             "wire_prefix_sha256": sent.reply.wire_prefix.sha256 if sent.reply.wire_prefix else None,
         }
         for index, sent in enumerate(session.sent)
@@ -175,12 +181,13 @@ class TestBudgetObserver:
             result = check_wire_budget(server.requests, records_of(session), assume_reconciled=True)
             assert result["faults"] == [], result
 
-    async def test_negative_estimator_ten_percent_optimistic(
+    async def test_negative_estimator_fifteen_percent_optimistic(
         self, openai_wire: FakeServer, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """An estimator 10% optimistic (calibration 0.9, set in the harness) underestimates the server's count
-        and the observer says so."""
-        optimistic = TokenEstimator(ModelProfile(calibration=0.9), tp.COUNTER)
+        """An estimator 15% optimistic (calibration 0.85, set in the harness) underestimates the server's count
+        and the observer says so. (10% no longer does: with the margin on the whole request, and per-message
+        overheads this server does not count, a calibration of 0.9 still left 47 tokens of headroom on 1,672.)"""
+        optimistic = TokenEstimator(ModelProfile(calibration=0.85), tp.COUNTER)
         monkeypatch.setattr(tp, "ESTIMATOR", optimistic)
         session = await drive(openai_session(openai_wire))
         result = check_wire_budget(openai_wire.requests, records_of(session), assume_reconciled=True)

@@ -155,7 +155,7 @@ class TestPlan:
             "history",
             "current_message",
         } <= set(plan.tokens_by_class)
-        assert plan.estimated_tokens == plan.prefix_tokens + plan.body_tokens
+        assert plan.estimated_tokens == plan.prefix_tokens + plan.prefix_margin_tokens + plan.body_tokens
         summary = plan.summary()
         assert summary.segments == len(plan.segments) and summary.prefix_sha256 == plan.prefix_sha256
 

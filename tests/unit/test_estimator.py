@@ -7,6 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from activities.assembly import RequestInputs
 from core.budget import ContextBudget
 from core.build import build
 from core.estimator import (
@@ -31,6 +32,34 @@ class TestMeasurement:
         """Body estimates include the 5% margin on top of the calibrated count."""
         est = TokenEstimator(ModelProfile(per_message_tokens=0), f.COUNTER)
         assert est.body_tokens(1_000, 0) == 1_050
+
+    def test_the_margin_covers_the_prefix_too(self) -> None:
+        """Rules 2: the budget sets the prefix aside at its calibrated count plus the 5% margin; rules 1 (requests
+        recorded before) at the count alone, so replay rebuilds those as they were built."""
+        profile = ModelProfile(calibration=1.2)
+        exact = TokenEstimator(profile, f.COUNTER).prefix_tokens(2_000, 3)
+        assert exact == math.ceil((2_000 + 3 * 8 + 3) * 1.2)
+        assert TokenEstimator(profile, f.COUNTER).prefix_reserve(2_000, 3) == math.ceil(exact * 1.05)
+        assert TokenEstimator(profile, f.COUNTER, rules=1).prefix_reserve(2_000, 3) == exact
+        plan = build(f.prefix(), f.body(3), budget=ContextBudget(), estimator=f.estimator(), secret=f.SECRET)
+        reserve = f.estimator().prefix_reserve(f.prefix().raw_tokens, f.prefix().tool_count)
+        assert plan.estimated_tokens == reserve + plan.body_tokens
+        assert plan.prefix_margin_tokens == reserve - plan.prefix_tokens > 0
+
+    def test_a_request_recorded_before_the_rules_were_versioned_is_rules_1(self) -> None:
+        inputs = RequestInputs(
+            turn=1,
+            call_index=0,
+            max_seq=0,
+            user_item_id=None,
+            checkpoint_id=None,
+            now_iso="2026-01-01T00:00:00+00:00",
+            profile=ModelProfile(),
+            budget=ContextBudget(),
+        )
+        stored = inputs.model_dump(mode="json")
+        del stored["estimate_rules"]
+        assert RequestInputs.model_validate(stored).estimate_rules == 1
 
     def test_plan_estimate_is_at_least_the_exact_count(self) -> None:
         """A plan's estimate is never below the exact count of the request it built."""
