@@ -25,9 +25,14 @@ from core.working_state import render
 # A rotation must leave room for a message of this many tokens beside the minimum body; an open, for one word.
 ROUTE_CHECK_MESSAGE_TOKENS = 256
 OPEN_CHECK_MESSAGE_TOKENS = 1
-# What a request's real clock line (its digits tokenize differently from the check's) and the rounding of each
-# class to whole tokens may add to the check's figure.
+# What a request's real clock line (its digits tokenize differently from the check's), its message's id (an update
+# id tokenizes differently from the check's) and the rounding of each class to whole tokens may add to the check's
+# figure.
 ROOM_SLACK_TOKENS = 16
+# Shaped as a turn's message id: "u:" and its update's id, a UUID unless the caller chose one. The check's message
+# carries one, so that its envelope is as long as a real message's (an id of a few tokens left a session that passed
+# the open check 14 tokens short of answering "hi").
+_CHECK_MESSAGE_ID = "u:3f2504e0-4f89-41d3-9a0c-0305e82c3301"
 _CHECK_SEQ = 10**6  # the check message's log position: past any checkpoint the check puts before it
 
 
@@ -50,15 +55,20 @@ async def check_route_fits(
     room, and refusing it would keep a tool the operator removed."""
     words = OPEN_CHECK_MESSAGE_TOKENS if inp.epoch == 1 else ROUTE_CHECK_MESSAGE_TOKENS
     try:
-        await _build_minimum(
+        plan = await _build_minimum(
             state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret, message_tokens=words
         )
+        # A real turn's clock line and message id may add ROOM_SLACK_TOKENS to the check's minimum.
+        prefix_tokens, minimum = plan.prefix_tokens + plan.prefix_margin_tokens, plan.body_tokens + ROOM_SLACK_TOKENS
     except TurnTooLargeError as exc:
-        if last_resort and inp.epoch > 1 and await _no_larger(state, inp, prefix, estimator):
-            return
-        raise RouteDoesNotFitError(
-            estimator.profile.route, exc.prefix_tokens, exc.minimum_body_tokens, exc.input_limit, at_open=inp.epoch == 1
-        ) from exc
+        prefix_tokens, minimum = exc.prefix_tokens, exc.minimum_body_tokens
+    if prefix_tokens + minimum <= budget.input_limit:
+        return
+    if last_resort and inp.epoch > 1 and await _no_larger(state, inp, prefix, estimator):
+        return
+    raise RouteDoesNotFitError(
+        estimator.profile.route, prefix_tokens, minimum, budget.input_limit, at_open=inp.epoch == 1
+    )
 
 
 async def _no_larger(state: SessionState, inp: OpenInput, prefix: FrozenPrefix, estimator: TokenEstimator) -> bool:
@@ -140,7 +150,7 @@ async def _build_minimum(
     """Build the request of a `message_tokens` message alone beside the prefix, with the corrections, the clock,
     the session's working state (unless `with_working_state` is False) and `checkpoint`'s summary (no history, no
     recall); raises TurnTooLargeError when it does not fit."""
-    message = UserMessage(id="u:route-check", seq=_CHECK_SEQ, text="word " * message_tokens)
+    message = UserMessage(id=_CHECK_MESSAGE_ID, seq=_CHECK_SEQ, text="word " * message_tokens)
     writes = await state.store.working_state_writes(session_id) if with_working_state else []
     correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
     ws = working_state(writes, estimator.counter.count, 10**9)
@@ -158,5 +168,6 @@ async def _build_minimum(
         now_iso="2000-01-01T00:00:00+00:00",
         profile=estimator.profile,
         budget=budget,
+        estimate_rules=estimator.rules,
     )
     return build(prefix, body_inputs([message], checkpoint, ri), budget=budget, estimator=estimator, secret=secret)

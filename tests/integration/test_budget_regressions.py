@@ -130,7 +130,7 @@ async def test_a_session_with_room_for_a_short_turn_opens(
             temporal_client,
             task_queue,
             session_open(
-                agent_instructions="rule " * 900,
+                agent_instructions="rule " * 850,
                 model_route={"provider": "scripted", "model": "scripted-1", "context_window": 3_200},
                 budget={"output_reserve": 256},
             ),
@@ -138,6 +138,30 @@ async def test_a_session_with_room_for_a_short_turn_opens(
         answered = await turn(handle, "hi")
         assert answered.plan.status.value == "fits"
         assert answered.plan.input_limit - answered.plan.estimated_tokens < 256  # a 256-token message would not fit
+
+
+async def test_a_session_that_could_not_answer_hi_fails_at_open(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """The open check's message is as long as a real turn's: its id is shaped as a turn message's (an update id),
+    and a real turn's clock and id may add ROOM_SLACK_TOKENS. Before, the check's message had a 3-token id: with
+    these instructions the session opened, 14 tokens short of answering "hi" (TurnTooLarge). It fails at open."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(
+            temporal_client,
+            task_queue,
+            session_open(
+                agent_instructions="rule " * 900,
+                model_route={"provider": "scripted", "model": "scripted-1", "context_window": 3_200},
+                budget={"output_reserve": 256},
+            ),
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(handle.result(), timeout=60)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "RouteDoesNotFit", cause
+        sizes = cause.details[0]
+        assert sizes["prefix_tokens"] + sizes["minimum_body_tokens"] > sizes["input_limit"] == 3_200 - 256
 
 
 async def test_rotations_take_fewer_memories_rather_than_leave_no_room(
@@ -154,7 +178,7 @@ async def test_rotations_take_fewer_memories_rather_than_leave_no_room(
             temporal_client,
             task_queue,
             session_open(
-                agent_instructions="rule " * 600, model_route=route, budget={"output_reserve": 256}, memory_scope=scope
+                agent_instructions="rule " * 400, model_route=route, budget={"output_reserve": 256}, memory_scope=scope
             ),
         )
         await turn(handle, "hello")
