@@ -85,5 +85,7 @@ def record_event(type_: EventType, payload: dict[str, Any]) -> None:
         if error < 0:
             _counter(meter, "ctxengine_estimator_overruns", "Requests whose estimate was below actual usage").add(1)
             _histogram(meter, "ctxengine_estimator_overrun_tokens", "Actual minus estimate, overruns").record(-error)
+    elif type_ is EventType.ESTIMATOR_REFUSED:
+        _counter(meter, "ctxengine_requests_refused", "Requests a provider refused as too long for its model").add(1)
     elif type_ is EventType.YIELD_APPLIED:
         _counter(meter, "ctxengine_yields", "Requests that needed a yield").add(1)

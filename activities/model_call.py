@@ -9,6 +9,7 @@ model twice.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -19,7 +20,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.failures import transient
-from activities.provider import ProviderRequest
+from activities.provider import CONTEXT_LENGTH_ERROR, ProviderRequest
+from activities.rows import RequestRecord
 from activities.session_state import SessionState, calibrated, provider_segment
 from activities.wire import WirePrefix
 from contract import names
@@ -27,7 +29,7 @@ from contract.activity_interfaces import ModelCalls
 from contract.events import EventType
 from contract.payloads import ModelInput, ModelResult, ToolCallRequest
 from contract.retries import INITIAL_INTERVAL_S, MAXIMUM_INTERVAL_S, STORE_OUTAGE_WAIT_S
-from core.estimator import calibration_target, reconcile
+from core.estimator import ModelProfile, calibration_target, reconcile
 from core.explain import first_wire_difference
 from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
 from core.plan import SEGMENT
@@ -114,7 +116,13 @@ class ModelCallActivities(ModelCalls):
             estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
-        reply = await within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
+        try:
+            reply = await within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
+        except ApplicationError as exc:
+            if exc.type == CONTEXT_LENGTH_ERROR:
+                refusal, profile = exc, calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
+                await _store_waiting(lambda: self._learn_refusal(inp, record, profile, refusal))
+            raise
         if (wire := reply.wire_prefix) is not None:
             await _store_waiting(lambda: self._record_wire_prefix(inp, wire))
         # The outcome: usage (the first attempt's figures win), the estimator's reconciliation and its event.
@@ -230,6 +238,41 @@ class ModelCallActivities(ModelCalls):
             record.estimated_tokens,
             overrun=rec.overrun,
         )
+
+    async def _learn_refusal(
+        self, inp: ModelInput, record: RequestRecord, profile: ModelProfile, exc: ApplicationError
+    ) -> None:
+        """The provider refused the request as too long: learn its count like a response's usage, upwards only, so
+        that the turn's next build of the request (workflows/turn.py) and every later request on the route estimate
+        at least that much. A refusal that gives no count teaches the estimate plus the safety margin, and one
+        token: at least what the provider must have counted, for the request to be over its limit."""
+        details = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
+        counted = details.get("provider_tokens")
+        if not isinstance(counted, int) or counted <= record.estimated_tokens:
+            counted = math.ceil(record.estimated_tokens * (1.0 + profile.safety_margin)) + 1
+        _, rec = reconcile(
+            profile, raw_tokens=record.raw_tokens, estimated_tokens=record.estimated_tokens, actual_tokens=counted
+        )
+        lifted = max(profile.calibration, calibration_target(rec.observed_ratio))
+        payload = {
+            **rec.model_dump(mode="json"),
+            "calibration_after": lifted,
+            "provider_tokens": details.get("provider_tokens"),
+            "provider_limit": details.get("provider_limit"),
+            "request_sha256": inp.request_sha256,
+        }
+        added = await self.state.store.record_refusal(
+            inp.session_id,
+            route=profile.route,
+            calibration=lifted,
+            event_key=f"refused:{inp.turn}:{inp.call_index}:{inp.request_sha256}",
+            event_type=EventType.ESTIMATOR_REFUSED.value,
+            turn=inp.turn,
+            epoch=inp.epoch,
+            payload=payload,
+        )
+        if added:
+            self.state.logged_event(inp.session_id, EventType.ESTIMATOR_REFUSED, inp.turn, inp.epoch, payload)
 
     async def _record_wire_prefix(self, inp: ModelInput, wire: WirePrefix) -> None:
         """Store the request's wire prefix hash; a second distinct one in the epoch is the prefix defect

@@ -28,6 +28,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.provider import (
+    CONTEXT_LENGTH_ERROR,
     SUMMARY_PROMPT,
     ProviderReply,
     ProviderRequest,
@@ -54,7 +55,6 @@ HISTORY_KINDS = frozenset(
 )
 TOOL_NAME_MAX = 64
 _TOOL_NAME_OK = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CONTEXT_LENGTH_ERROR = "ContextLengthExceeded"
 
 
 def sorted_json(value: Any) -> Any:

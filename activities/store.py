@@ -590,6 +590,18 @@ WITH usage AS (
 SELECT EXISTS (SELECT 1 FROM usage) AS usage_recorded, EXISTS (SELECT 1 FROM event) AS event_added, """
     + APPENDED
 )
+# A request the provider refused as too long, learned in one round trip: the route's calibration lifted to $2 (never
+# lowered: a refusal says only that the estimate was too low) and the event (stored once, by key).
+SQL_RECORD_REFUSAL = """
+WITH learned AS (
+    INSERT INTO calibrations (route, calibration) VALUES ($1, $2::float8)
+    ON CONFLICT (route) DO UPDATE SET calibration = EXCLUDED.calibration, updated_at = now()
+    WHERE calibrations.calibration < EXCLUDED.calibration
+), event AS (
+    INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($3, $4, $5, $6, $7, $8)
+    ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM event)"""
 SQL_LATEST_CHECKPOINT = """
 SELECT checkpoint FROM checkpoints WHERE session_id = $1
 ORDER BY covers_to_seq DESC, (checkpoint->>'kind' = 'escalation') DESC, depth DESC LIMIT 1"""
@@ -1147,6 +1159,26 @@ class Store:
         return _all(StoredWirePrefix, await self.pool.fetch(SQL_WIRE_PREFIXES, session_id, epoch))
 
     # ------------------------------------------------------------ events
+    async def record_refusal(
+        self,
+        session_id: str,
+        *,
+        route: str,
+        calibration: float,
+        event_key: str,
+        event_type: str,
+        turn: int,
+        epoch: int,
+        payload: dict[str, Any],
+    ) -> bool:
+        """A request the provider refused as too long: the route's calibration lifted to `calibration` (a higher one
+        stored stays) and the event, in one round trip. True when this call stored the event."""
+        return bool(
+            await self.pool.fetchval(
+                SQL_RECORD_REFUSAL, route, calibration, session_id, event_key, event_type, turn, epoch, payload
+            )
+        )
+
     async def add_event(
         self, session_id: str, event_key: str, type_: str, *, turn: int, epoch: int, payload: dict[str, Any]
     ) -> bool:

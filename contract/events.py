@@ -11,6 +11,7 @@ class EventType(StrEnum):
     YIELD_APPLIED = "context.yield.applied"
     SESSION_OPEN_FAILED = "context.session.open_failed"
     ESTIMATOR_RECONCILED = "context.estimator.reconciled"
+    ESTIMATOR_REFUSED = "context.estimator.refused"
     WORKING_STATE_REJECTED = "context.working_state.rejected"
     SESSION_OPENED = "context.session.opened"
     TOOL_TRUST_REFUSED = "context.tool.trust_refused"

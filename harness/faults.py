@@ -18,14 +18,14 @@ from activities.assembly import RequestInputs
 from activities.build import BuildActivities
 from activities.lifecycle import LifecycleActivities
 from activities.model_call import ModelCallActivities
-from activities.rows import ItemRender, TurnReads
+from activities.rows import ItemRender, RequestRecord, TurnReads
 from activities.session import SessionActivities
 from activities.session_state import SessionCache, SessionState
 from activities.tool_calls import ToolCallActivities
 from contract import names
-from contract.payloads import BuildInput, CloseInput, SessionOpen
+from contract.payloads import BuildInput, CloseInput, ModelInput, SessionOpen
 from core.build import BodyInputs, FrozenPrefix, PrefixInputs, open_prefix
-from core.estimator import TokenEstimator
+from core.estimator import ModelProfile, TokenEstimator
 from core.items import HistoryItem, TrustLevel
 from core.plan import ContextPlan, PlanStatus
 
@@ -169,3 +169,17 @@ class FirstCloseFails(SessionActivities):
     """A close that fails must leave the session open, and closable again."""
 
     lifecycle_family: ClassVar[type[LifecycleActivities]] = CloseFailsOnce
+
+
+class RefusalsForgotten(ModelCallActivities):
+    async def _learn_refusal(
+        self, inp: ModelInput, record: RequestRecord, profile: ModelProfile, exc: ApplicationError
+    ) -> None:
+        return None
+
+
+class RefusalNotLearned(SessionActivities):
+    """A provider's refusal of a request as too long is not learned: the turn's next build of the request is the same
+    request, refused again, and the turn fails `ContextLengthExceeded` (tests/gates/test_wire_observers.py)."""
+
+    model_call_family: ClassVar[type[ModelCallActivities]] = RefusalsForgotten

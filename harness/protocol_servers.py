@@ -315,6 +315,9 @@ def _anthropic_element(role: str, raw: bytes, block: Any, text: str) -> Element:
 _DIRECTIVE = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(\{.*\})?\s*$", re.MULTILINE)
 _ENVELOPE_SOURCE = re.compile(r'source="([a-z_]+)')
 _MODEL_RATIO = re.compile(r"-r([0-9]+(?:\.[0-9]+)?)$")
+# A model name with `-w<tokens>` (`budget-w6000-r1.3`) has that context window: the server refuses, as the provider
+# does, a request whose input by its own count and requested output do not fit in it.
+_MODEL_WINDOW = re.compile(r"-w([0-9]+)(?:-|$)")
 OPENAI_MIN_CACHED = 1_024
 OPENAI_CACHE_STEP = 128
 
@@ -340,6 +343,23 @@ class ScriptedWire:
         match = _MODEL_RATIO.search(str(received.body.get("model", "")))
         return float(match.group(1)) if match else self.ratio
 
+    def _too_long(self, received: Received, total: int) -> Reply | None:
+        """The provider's refusal of a request over its model's window (`_MODEL_WINDOW`), in its own words."""
+        match = _MODEL_WINDOW.search(str(received.body.get("model", "")))
+        if match is None:
+            return None
+        window = int(match.group(1))
+        output = int(received.body.get("max_completion_tokens") or received.body.get("max_tokens") or 0)
+        if total + output <= window:
+            return None
+        if self.protocol == "openai":
+            message = (
+                f"This model's maximum context length is {window} tokens. However, your messages resulted in "
+                f"{total} tokens. Please reduce the length of the messages."
+            )
+            return Reply(400, openai_error(message, code="context_length_exceeded"))
+        return Reply(400, anthropic_error(f"prompt is too long: {total} tokens > {window - output} maximum"))
+
     def answer(self, received: Received) -> Reply:
         elements = prompt_elements(received)
         self.replies += 1
@@ -350,6 +370,9 @@ class ScriptedWire:
             calls = _directives(elements)
             text = "" if calls else _acknowledge(elements)
         total = self.tokens(elements, self.ratio_for(received))
+        refusal = None if received.is_summary else self._too_long(received, total)
+        if refusal is not None:
+            return refusal
         if self.protocol == "openai":
             cached = 0 if received.is_summary else self._openai_cached(received, elements)
             tool_calls = [

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from temporalio.client import WorkflowUpdateFailedError
 
 from activities.openai_provider import HISTORY_KINDS
 from activities.rows import RequestRecord
 from activities.store import Store
 from activities.wire import wire_prefix
 from contract import names
-from contract.payloads import RevokeTool, SessionOpen
+from contract.payloads import RevokeTool, RotateEpoch, SessionOpen
 from core.budget import ContextBudget
 from core.build import FrozenPrefix, PrefixInputs, open_prefix, pointer_for
 from core.estimator import ModelProfile, TokenCounter, TokenEstimator
@@ -209,29 +212,43 @@ def _anthropic_orphans(body: Mapping[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ budget
+# A turn that cannot fit fails alone with one of these, and nothing is sent (docs/assembly-and-budget.md).
+BUDGET_FAILURES = frozenset({"TurnTooLarge", "ContextNeedsCompaction"})
+
+
 def check_wire_budget(
     received: Sequence[Received], records: Sequence[Mapping[str, Any]], *, assume_reconciled: bool = False
 ) -> dict[str, Any]:
     """Estimates against the protocol server's own count of what it received (not the engine's figures).
 
-    The server's count is the input usage it answered each turn request with, read from its recording. A
-    request is over its window when the server counted more than the plan's input limit; once a route has
-    reconciled (any request after its first; or `assume_reconciled`, when the server's tokenizer and ratio are
-    the estimator's own), an estimate below the server's count is an underestimate.
+    The server's count is the input usage it answered each turn request with, read from its recording. The
+    answered requests are paired in order with the answered records (a build that needed compaction was never
+    sent; a refused request's record is replaced by the turn's next build of it). A request is over its window
+    when the server refused it as too long, or counted more than the plan's input limit. Once a route has
+    reconciled (any request after its first; or `assume_reconciled`, when the server's tokenizer and ratio are the
+    estimator's own), an estimate below the server's count is an underestimate. `least_headroom_tokens` is the
+    smallest estimate minus the server's count among reconciled requests (negative: an underestimate).
     """
     turns = [r for r in received if not r.is_summary]
-    server_usage = [server_input_tokens(r) for r in turns]
-    over = under = 0
+    answered = [r for r in turns if r.reply is not None and r.reply.status == 200]
+    refused = len(turns) - len(answered)  # a provider refuses a request over its window: over by its count
+    server_usage = [server_input_tokens(r) for r in answered]
+    sent = [r for r in records if r["plan"]["status"] == "fits" and r["actual_input_tokens"] is not None]
+    over, under = refused, 0
+    headroom: list[int] = []
     faults: list[str] = []
-    for index, (record, counted) in enumerate(zip(records, server_usage, strict=False)):
+    if len(sent) != len(answered):
+        faults.append(f"unpaired: {len(answered)} answered turn requests on the wire, {len(sent)} answered records")
+    for index, (record, counted) in enumerate(zip(sent, server_usage, strict=False)):
         limit = record["plan"]["input_limit"]
         if counted > limit:
             over += 1
         # Reconciled once an earlier request of the route reported usage (a new route starts from a published
         # ratio, which is not yet a reconciliation, so the calibration being off 1.0 says nothing).
-        reconciled = assume_reconciled or index > 0
-        if reconciled and record["estimated_tokens"] < counted:
-            under += 1
+        if assume_reconciled or index > 0:
+            headroom.append(record["estimated_tokens"] - counted)
+            if record["estimated_tokens"] < counted:
+                under += 1
     if over:
         faults.append(f"request_over_window: {over} requests counted by the server above their input limit")
     if under:
@@ -240,6 +257,7 @@ def check_wire_budget(
         "wire_requests_checked": len(turns),
         "requests_over_window_by_server_count": over,
         "underestimates_by_server_count": under,
+        "least_headroom_tokens": min(headroom, default=None),
         "faults": faults,
     }
 
@@ -444,11 +462,17 @@ async def wire_pairs(s: Any, *, turns: int = 16, window: int = 8_000) -> dict[st
 
 
 async def wire_budget(
-    s: Any, *, ratios: Sequence[float] = (1.0, 1.2, 1.45), windows: Sequence[int] = (6_000, 12_000), turns: int = 14
+    s: Any,
+    *,
+    ratios: Sequence[float] = (1.0, 1.2, 1.45),
+    windows: Sequence[int] = (6_000, 12_000),
+    turns: int = 14,
+    output_reserve: int = 800,
 ) -> dict[str, Any]:
     """The budget scenario through the OpenAI adapter, the protocol server counting with its own tokenizer
     times each ratio (asked for by the model name): no request over its window by the server's count, and
-    once the route has reconciled, no estimate below it (`check_wire_budget`)."""
+    once the route has reconciled, no estimate below it (`check_wire_budget`). On a small window a turn may
+    fail typed instead (`TurnTooLarge`, `ContextNeedsCompaction`: nothing sent); the session goes on."""
 
     assert s.wire is not None, "wire_budget needs live_stack(wire=True)"
     run = uuid.uuid4().hex[:6]
@@ -456,6 +480,8 @@ async def wire_budget(
         "wire_requests_checked": 0,
         "requests_over_window_by_server_count": 0,
         "underestimates_by_server_count": 0,
+        "least_headroom_tokens": None,
+        "turns_failed_typed": 0,
         "faults": [],
     }
     server = s.wire.openai
@@ -463,9 +489,8 @@ async def wire_budget(
         for window in windows:
             server.reset()
             route = {"provider": "openai", "model": f"budget-{run}-w{window}-r{ratio}", "encoding": "cl100k_base"}
-            handle = await s.start(
-                _open(model_route=route, budget={"context_window": window, "output_reserve": 800}), "budget-wire"
-            )
+            budget = {"context_window": window, "output_reserve": output_reserve}
+            handle = await s.start(_open(model_route=route, budget=budget), "budget-wire")
             rng = random.Random(f"{ratio}-{window}")
             for t in range(turns):
                 text = f"turn {t}: " + " ".join(
@@ -473,11 +498,66 @@ async def wire_budget(
                 )
                 if t % 3 == 1:
                     text += '\n/call web.fetch {"url": "fixture://long"}'
-                await s.turn(handle, text)
+                try:
+                    await s.turn(handle, text)
+                except WorkflowUpdateFailedError as exc:
+                    if getattr(exc.cause, "type", None) not in BUDGET_FAILURES:
+                        raise
+                    figures["turns_failed_typed"] += 1
             records = [dataclasses.asdict(r) for r in await s.store.records(handle.id)]
             result = check_wire_budget(list(server.requests), records, assume_reconciled=ratio == 1.0)
             for key in ("wire_requests_checked", "requests_over_window_by_server_count"):
                 figures[key] += result[key]
             figures["underestimates_by_server_count"] += result["underestimates_by_server_count"]
+            if result["least_headroom_tokens"] is not None:
+                least = figures["least_headroom_tokens"]
+                figures["least_headroom_tokens"] = min(result["least_headroom_tokens"], least or 10**9)
             figures["faults"] += [f"ratio {ratio}, window {window}: {f}" for f in result["faults"]]
     return figures
+
+
+async def wire_refusal(s: Any, *, window: int = 6_000, history_turns: int = 9) -> dict[str, Any]:
+    """A request the provider refuses as too long is learned from and built again, and the turn is answered.
+
+    The session fills its body on a route the server counts like the counter (no window in its model name), then
+    rotates to a route the server counts 1.3 times and whose model has `window` tokens (`-w`): a route no response
+    has calibrated yet, whose first request the estimator lets through and the server refuses. Run it on a database
+    whose routes the provider's other routes have not calibrated higher (a fresh one). Figures: the requests the
+    server refused, the turns that failed (with their error types), and the refusal events stored."""
+    assert s.wire is not None, "wire_refusal needs live_stack(wire=True)"
+    run = uuid.uuid4().hex[:6]
+    server = s.wire.openai
+    counted_like_the_counter = {"provider": "openai", "model": f"refusal-{run}-r1.0", "encoding": "cl100k_base"}
+    refusing = {"provider": "openai", "model": f"refusal-{run}-w{window}-r1.3", "encoding": "cl100k_base"}
+    budget = {"context_window": window, "output_reserve": 512}
+    handle = await s.start(_open(model_route=counted_like_the_counter, budget=budget), "refusal")
+    rng = random.Random(3)
+
+    def text(t: int) -> str:
+        return f"turn {t}: " + " ".join(rng.choices(["alpha", "beta", "gamma", "delta"], k=150))
+
+    for t in range(history_turns):
+        await s.turn(handle, text(t))
+    await handle.execute_update(
+        names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="model_route_changed", model_route=refusing)
+    )
+    server.reset()
+    failed: list[str] = []
+    for t in range(history_turns, history_turns + 3):
+        try:
+            await s.turn(handle, text(t))
+        except WorkflowUpdateFailedError as exc:
+            failed.append(str(getattr(exc.cause, "type", None)))
+    turns = [r for r in server.requests if not r.is_summary]
+    refused = [r for r in turns if r.reply is not None and r.reply.status != 200]
+    events = [e.payload for e in await s.store.events(handle.id) if e.type == "context.estimator.refused"]
+    records = [dataclasses.asdict(r) for r in await s.store.records(handle.id) if r.epoch == 2]
+    budget_check = check_wire_budget(turns, records)
+    return {
+        "requests_refused": len(refused),
+        "refused_counts": [int(m) for r in refused for m in re.findall(r"resulted in (\d+)", str(r.reply.body))],
+        "turns_failed": failed,
+        "refusal_events": events,
+        "answered_after_refusal": budget_check["wire_requests_checked"] - len(refused),
+        "underestimates_by_server_count": budget_check["underestimates_by_server_count"],
+    }

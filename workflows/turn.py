@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from contract.activity_interfaces import SessionActivityCalls
@@ -36,6 +36,11 @@ from workflows.retry_policies import MODEL_RETRY, RETRY
 
 MAX_MODEL_CALLS_PER_TURN = 8
 MAX_COMPACTIONS_PER_REQUEST = 2
+# A request the provider refused as too long is built again after the model call learned the provider's count (its
+# estimate now covers it: the build yields or compacts); a request refused this many times fails the turn.
+MAX_REFUSALS_PER_REQUEST = 2
+PATCH_REBUILD_REFUSED = "rebuild-refused-request"
+CONTEXT_LENGTH_ERROR = "ContextLengthExceeded"  # activities/provider.py
 
 
 # (turn, user_item_id, call_index) -> the result of the rest of the turn, run in a child with a fresh body.
@@ -71,7 +76,7 @@ class TurnRunner:
         reply = ""
         calls = 0
         call_index = first_call
-        compactions = 0
+        compactions = refusals = 0
         tool_calls_run = 0
         while call_index < MAX_MODEL_CALLS_PER_TURN:
             first = call_index == 0 and user_item_id is None
@@ -124,22 +129,17 @@ class TurnRunner:
                         type="ContextNeedsCompaction",
                     )
                 continue  # build never compacts: the compactor wrote a checkpoint, so build again
-            model: ModelResult = await workflow.execute_activity_method(
-                SessionActivityCalls.call_model,
-                ModelInput(
-                    session_id=sid,
-                    turn=turn,
-                    call_index=call_index,
-                    epoch=epoch,
-                    request_sha256=plan.request_sha256,
-                    **self._tool_call_cap(tool_calls_run),
-                ),
-                start_to_close_timeout=timedelta(seconds=t.model_seconds),
-                heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
-                retry_policy=MODEL_RETRY,
-                summary=f"model turn {turn}.{call_index}: {plan.estimated_tokens:,} tokens, "
-                f"{len(plan.yields)} yield(s)",
-            )
+            try:
+                model = await self._call_model(turn, call_index, epoch, plan, tool_calls_run)
+            except ActivityError as exc:
+                if not (
+                    _refused_as_too_long(exc)
+                    and refusals < MAX_REFUSALS_PER_REQUEST
+                    and workflow.patched(PATCH_REBUILD_REFUSED)
+                ):
+                    raise
+                refusals += 1
+                continue  # the model call learned the provider's count: build the request again
             calls += 1
             self._count_usage(plan, model)
             reply = model.text or reply
@@ -149,7 +149,7 @@ class TurnRunner:
                 outcomes.append(await self._tool(turn, epoch, call))
             tool_calls_run += len(model.tool_calls)
             call_index += 1
-            compactions = 0
+            compactions = refusals = 0
         assert plan is not None
         self.state.last_plan = plan
         return TurnResult(
@@ -160,6 +160,27 @@ class TurnRunner:
             plan=plan,
             tool_calls=outcomes,
             model_calls=calls,
+        )
+
+    async def _call_model(
+        self, turn: int, call_index: int, epoch: int, plan: PlanSummary, tool_calls_run: int
+    ) -> ModelResult:
+        t = self.open.timeouts
+        sid = self.state.session_id
+        return await workflow.execute_activity_method(
+            SessionActivityCalls.call_model,
+            ModelInput(
+                session_id=sid,
+                turn=turn,
+                call_index=call_index,
+                epoch=epoch,
+                request_sha256=plan.request_sha256,
+                **self._tool_call_cap(tool_calls_run),
+            ),
+            start_to_close_timeout=timedelta(seconds=t.model_seconds),
+            heartbeat_timeout=timedelta(seconds=t.model_heartbeat_seconds),
+            retry_policy=MODEL_RETRY,
+            summary=f"model turn {turn}.{call_index}: {plan.estimated_tokens:,} tokens, {len(plan.yields)} yield(s)",
         )
 
     async def _tool(self, turn: int, epoch: int, call: ToolCallRequest) -> ToolCallOutcome:
@@ -251,3 +272,8 @@ class TurnRunner:
         # What the provider says it read from its cache, as far as the prefix goes (its cache starts at the
         # request's first byte): measured, never assumed (an epoch's first request, a cache the provider dropped).
         m.prefix_tokens_reused += min(plan.prefix_tokens, model.cached_tokens)
+
+
+def _refused_as_too_long(exc: ActivityError) -> bool:
+    """Whether a model call failed because the provider refused its request as too long for the model."""
+    return isinstance(exc.cause, ApplicationError) and exc.cause.type == CONTEXT_LENGTH_ERROR

@@ -11,8 +11,9 @@ from temporalio.client import Client
 from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
 from activities.provider import ProviderReply, ProviderRequest
 from activities.wire import wire_prefix
+from harness.faults import RefusalNotLearned
 from harness.gates import live_stack
-from harness.wire_gates import wire_budget, wire_pairs
+from harness.wire_gates import wire_budget, wire_pairs, wire_refusal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -54,3 +55,35 @@ async def test_wire_budget_server_count_within_window(temporal_client: Client, p
         result = await wire_budget(stack, ratios=(1.0, 1.45), windows=(12_000,), turns=10)
     assert result["wire_requests_checked"] >= 20
     assert result["faults"] == [], result
+
+
+async def test_wire_budget_small_window_turns_fit_or_fail_typed(temporal_client: Client, pg_dsn: str) -> None:
+    """On a 4,096-token window, counted 1.2 and 1.45 times by the server, every turn is answered within its window
+    by the server's count, or fails alone and typed with nothing sent; reconciled estimates cover the server."""
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True) as stack:
+        result = await wire_budget(stack, ratios=(1.2, 1.45), windows=(4_096,), output_reserve=512)
+    assert result["wire_requests_checked"] >= 20
+    assert result["faults"] == [], result
+    assert result["least_headroom_tokens"] >= 0
+
+
+async def test_a_refused_request_is_learned_and_built_again(temporal_client: Client, pg_dsn: str) -> None:
+    """The server refuses the first request of a route it counts 1.3 times as too long for the model: the model
+    call learns the server's count, the turn builds the request again (compacting) and is answered."""
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True) as stack:
+        result = await wire_refusal(stack)
+    assert result["requests_refused"] == 1, result  # the scenario reaches the provider's limit
+    assert result["turns_failed"] == []
+    [event] = result["refusal_events"]
+    assert event["actual_tokens"] == result["refused_counts"][0] > event["estimated_tokens"]
+    assert event["calibration_after"] > event["calibration_before"]
+    assert result["answered_after_refusal"] == 3 and result["underestimates_by_server_count"] == 0
+
+
+async def test_negative_a_refusal_not_learned_fails_the_turn(temporal_client: Client, pg_dsn: str) -> None:
+    """With the refusal not learned (a fault set in the harness), the request is built the same, refused again,
+    and the turn fails `ContextLengthExceeded`: the rebuild is only as good as what the model call learned."""
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True, activities_class=RefusalNotLearned) as stack:
+        result = await wire_refusal(stack)
+    assert result["turns_failed"][:1] == ["ContextLengthExceeded"], result
+    assert result["requests_refused"] >= 2 and result["refusal_events"] == []
