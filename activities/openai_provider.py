@@ -269,6 +269,9 @@ _LIMIT_PATTERNS = (
     re.compile(r"resulted in (?P<actual>\d+) tokens"),
     re.compile(r"(?P<actual>\d+) tokens > (?P<limit>\d+) maximum"),
     re.compile(r"requested (?P<actual>\d+) tokens"),
+    # "you requested 130563 tokens (129563 in the messages, 1000 in the completion)": the input is the messages'
+    # share (a later pattern's figure wins), so a refusal is not learned as input it never counted.
+    re.compile(r"(?P<actual>\d+) in the messages"),
 )
 
 

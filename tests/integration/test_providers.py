@@ -695,6 +695,19 @@ async def test_http_errors_map_to_application_errors(
         assert details["provider_limit"] in (128_000, 200_000)
 
 
+def test_a_refusal_that_counts_the_completion_too_reports_the_input() -> None:
+    """OpenAI's "you requested N tokens (M in the messages, K in the completion)": the provider's input count is M,
+    what the model call learns from (not N, which holds the completion the request asked for)."""
+    from activities.openai_provider import context_length_error
+
+    message = (
+        "This model's maximum context length is 8192 tokens. However, you requested 9100 tokens (8100 in the "
+        "messages, 1000 in the completion). Please reduce the length of the messages or completion."
+    )
+    err = context_length_error(provider="openai", request=None, model="m", status=400, message=message, request_id=None)
+    assert err.details[0]["provider_tokens"] == 8_100 and err.details[0]["provider_limit"] == 8_192
+
+
 async def test_retry_after_ms_and_anthropic_overloaded(openai_srv: FakeServer, anthropic_srv: FakeServer) -> None:
     """OpenAI's retry-after-ms wins over retry-after; Anthropic's 529 overloaded is retryable with its delay."""
     openai_srv.reply(429, openai_error("slow down", type_="requests"), {"retry-after-ms": "1500", "retry-after": "9"})
