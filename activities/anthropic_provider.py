@@ -62,7 +62,12 @@ NOT_CONFIGURED = (
 )
 EPHEMERAL = {"type": "ephemeral"}
 MAX_BREAKPOINTS = 4  # Anthropic's limit per request
-_TOO_LONG = re.compile(r"prompt is too long|input is too long|too many (?:input )?tokens|context window", re.I)
+# Anthropic's refusals of a request too long for the model: the prompt alone ("prompt is too long: 208310 tokens >
+# 200000 maximum"), or the prompt and max_tokens together ("input length and `max_tokens` exceed context limit:
+# 199759 + 8192 > 200000").
+_TOO_LONG = re.compile(
+    r"prompt is too long|input is too long|too many (?:input )?tokens|context window|exceed context limit", re.I
+)
 
 
 def render_messages_request(

@@ -82,9 +82,9 @@ class CompactionActivities(CompactionActivityCalls):
         current_json = await self.store.latest_checkpoint(inp.session_id)
         current = Checkpoint.model_validate(current_json) if current_json else None
         budget = open_.context_budget(profile)
-        body = budget.input_limit - TokenEstimator(profile, counter).prefix_reserve(
-            prefix.raw_tokens, prefix.tool_count
-        )
+        # The route's calibration as the build reads it (learned since the epoch opened: a refusal lifts it).
+        estimator = TokenEstimator(await self.state.profile(profile), counter)
+        body = budget.input_limit - estimator.prefix_reserve(prefix.raw_tokens, prefix.tool_count)
         plan = plan_compaction(
             items,
             current=current,

@@ -122,6 +122,7 @@ class ModelCallActivities(ModelCalls):
             if exc.type == CONTEXT_LENGTH_ERROR:
                 refusal, profile = exc, calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
                 await _store_waiting(lambda: self._learn_refusal(inp, record, profile, refusal))
+                cache.refused(inp.request_sha256)
             raise
         if (wire := reply.wire_prefix) is not None:
             await _store_waiting(lambda: self._record_wire_prefix(inp, wire))
@@ -246,6 +247,7 @@ class ModelCallActivities(ModelCalls):
         that the turn's next build of the request (workflows/turn.py) and every later request on the route estimate
         at least that much. A refusal that gives no count teaches the estimate plus the safety margin, and one
         token: at least what the provider must have counted, for the request to be over its limit."""
+        info = activity.info()
         details = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
         counted = details.get("provider_tokens")
         if not isinstance(counted, int) or counted <= record.estimated_tokens:
@@ -265,7 +267,8 @@ class ModelCallActivities(ModelCalls):
             inp.session_id,
             route=profile.route,
             calibration=lifted,
-            event_key=f"refused:{inp.turn}:{inp.call_index}:{inp.request_sha256}",
+            # One per refusal: a rebuild can be the same request (the same hash), refused again by another call.
+            event_key=f"refused:{inp.turn}:{inp.call_index}:{info.workflow_run_id}:{info.activity_id}",
             event_type=EventType.ESTIMATOR_REFUSED.value,
             turn=inp.turn,
             epoch=inp.epoch,

@@ -272,6 +272,8 @@ _LIMIT_PATTERNS = (
     # "you requested 130563 tokens (129563 in the messages, 1000 in the completion)": the input is the messages'
     # share (a later pattern's figure wins), so a refusal is not learned as input it never counted.
     re.compile(r"(?P<actual>\d+) in the messages"),
+    # Anthropic's "input length and `max_tokens` exceed context limit: 199759 + 8192 > 200000": the input and the limit.
+    re.compile(r"(?P<actual>\d+) \+ \d+ > (?P<limit>\d+)"),
 )
 
 

@@ -311,6 +311,11 @@ class SessionCache:
         depth = self.last_body.depth + 1 if form.base and self.last_body is not None else 0
         self.last_body = LastBody(sha, prefix_sha, body, depth, form.whole)
 
+    def refused(self, sha: str) -> None:
+        """The provider refused request `sha` as too long: the turn builds it again, so a later call of it on this
+        worker reads the record as that build stored it (its estimate and calibrations), not this memo's."""
+        self.built.pop(sha, None)
+
     def answered(self, sha: str) -> None:
         """The call of request `sha` has stored its outcome: its memoised record says unanswered no more, so a later
         call of the request on this worker reads the stored one (and returns the logged reply, never asking twice)."""

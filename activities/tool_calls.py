@@ -172,7 +172,8 @@ class ToolCallActivities(ToolCalls):
         _, _, cache = await self.state.session(inp.session_id)
         prefix, profile = await self.state.prefix(inp.session_id, inp.epoch, cache)
         budget = open_.context_budget(profile)
-        estimator = TokenEstimator(profile, self.state.counter(profile.encoding))
+        # The route's calibration as the build reads it (learned since the epoch opened: a refusal lifts it).
+        estimator = TokenEstimator(await self.state.profile(profile), self.state.counter(profile.encoding))
         body = budget.input_limit - estimator.prefix_reserve(prefix.raw_tokens, prefix.tool_count)
         return max(64, budget.tool_results_cap(body))
 

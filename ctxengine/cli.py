@@ -343,7 +343,7 @@ def replay(
                 r.status + (f" (-{r.deficit_tokens:,})" if r.deficit_tokens else ""),
                 f"{r.estimated_tokens or 0:,}",
                 f"{r.recorded_estimated_tokens:,}",
-                f"{r.actual_input_tokens or 0:,}",
+                f"{r.actual_input_tokens:,}" if r.actual_input_tokens is not None else "-",
                 same,
                 ", ".join(r.yields) or r.error or "",
             )

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from activities.store import Store
+from contract.events import EventType
 from core.budget import ContextBudget
 from core.plan import PlanSummary
 from core.rendering import UNTRUSTED_PROVENANCE, parse_envelopes
@@ -35,9 +36,15 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         {
             "working_state": budget.working_state_tokens,
             "recall": budget.retrieved_context_tokens,
-            "tool_results": budget.tool_results_cap(plan.input_limit - plan.prefix_tokens),
+            "tool_results": budget.tool_results_cap(plan.input_limit - plan.prefix_tokens - plan.prefix_margin_tokens),
         }
     )
+    refused = [
+        e.payload
+        for e in await store.events(session_id)
+        if e.type == EventType.ESTIMATOR_REFUSED.value
+        and e.event_key.startswith(f"refused:{rec.turn}:{rec.call_index}:")
+    ]
     all_records = await store.records(session_id)
     input_total = sum(r.actual_input_tokens or 0 for r in all_records)
     cached_total = sum(r.cached_tokens or 0 for r in all_records)
@@ -52,8 +59,10 @@ async def inspect_session(store: Store, session_id: str, turn: int | None = None
         # As stored with the request's plan: what the model wrote in reply to it is tainted (docs/trust.md).
         "untrusted_in_view": plan.untrusted_in_view,
         "estimated_tokens": rec.estimated_tokens,
-        "actual_input_tokens": rec.actual_input_tokens,
+        "actual_input_tokens": rec.actual_input_tokens,  # None: not answered
         "cached_tokens": rec.cached_tokens,
+        # The provider's refusals of this turn's request as too long (context.estimator.refused), each learned from.
+        "refusals": refused,
         "input_limit": plan.input_limit,
         "tokens_by_class": plan.tokens_by_class,
         "caps": caps,
@@ -94,9 +103,12 @@ def print_inspection(view: dict[str, Any], console: Console | None = None) -> No
         f"[bold]{view['session_id']}[/bold] turn {view['turn']} model call {view['call_index']} epoch {view['epoch']} "
         f"prefix {view['prefix_sha256'][:16]} status {view['status']}"
     )
+    actual = view["actual_input_tokens"]
+    usage = f"actual {actual:,} (cached {view['cached_tokens'] or 0:,})" if actual is not None else "not answered"
+    if view["refusals"]:
+        usage += f"; refused as too long {len(view['refusals'])} time(s)"
     console.print(
-        f"estimate {view['estimated_tokens']:,} / limit {view['input_limit']:,}; actual "
-        f"{view['actual_input_tokens'] or 0:,} (cached {view['cached_tokens'] or 0:,}); session cache efficiency "
+        f"estimate {view['estimated_tokens']:,} / limit {view['input_limit']:,}; {usage}; session cache efficiency "
         f"{view['session_cache_efficiency']:.1%}; "
         f"prefix hashes in this epoch: {view['distinct_prefix_hashes_in_epoch']} (1 means byte-stable)"
     )

@@ -352,13 +352,16 @@ class ScriptedWire:
         output = int(received.body.get("max_completion_tokens") or received.body.get("max_tokens") or 0)
         if total + output <= window:
             return None
+        # Each provider's usual words when the input and the requested output together are over the window.
         if self.protocol == "openai":
             message = (
-                f"This model's maximum context length is {window} tokens. However, your messages resulted in "
-                f"{total} tokens. Please reduce the length of the messages."
+                f"This model's maximum context length is {window} tokens. However, you requested {total + output} "
+                f"tokens ({total} in the messages, {output} in the completion). Please reduce the length of the "
+                "messages or completion."
             )
             return Reply(400, openai_error(message, code="context_length_exceeded"))
-        return Reply(400, anthropic_error(f"prompt is too long: {total} tokens > {window - output} maximum"))
+        message = f"input length and `max_tokens` exceed context limit: {total} + {output} > {window}, decrease input"
+        return Reply(400, anthropic_error(message))
 
     def answer(self, received: Received) -> Reply:
         elements = prompt_elements(received)

@@ -509,9 +509,10 @@ async def wire_budget(
             for key in ("wire_requests_checked", "requests_over_window_by_server_count"):
                 figures[key] += result[key]
             figures["underestimates_by_server_count"] += result["underestimates_by_server_count"]
-            if result["least_headroom_tokens"] is not None:
-                least = figures["least_headroom_tokens"]
-                figures["least_headroom_tokens"] = min(result["least_headroom_tokens"], least or 10**9)
+            headrooms = [
+                h for h in (figures["least_headroom_tokens"], result["least_headroom_tokens"]) if h is not None
+            ]
+            figures["least_headroom_tokens"] = min(headrooms, default=None)
             figures["faults"] += [f"ratio {ratio}, window {window}: {f}" for f in result["faults"]]
     return figures
 
@@ -555,7 +556,7 @@ async def wire_refusal(s: Any, *, window: int = 6_000, history_turns: int = 9) -
     budget_check = check_wire_budget(turns, records)
     return {
         "requests_refused": len(refused),
-        "refused_counts": [int(m) for r in refused for m in re.findall(r"resulted in (\d+)", str(r.reply.body))],
+        "refused_counts": [int(m) for r in refused for m in re.findall(r"(\d+) in the messages", str(r.reply.body))],
         "turns_failed": failed,
         "refusal_events": events,
         "answered_after_refusal": budget_check["wire_requests_checked"] - len(refused),

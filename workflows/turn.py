@@ -37,7 +37,8 @@ from workflows.retry_policies import MODEL_RETRY, RETRY
 MAX_MODEL_CALLS_PER_TURN = 8
 MAX_COMPACTIONS_PER_REQUEST = 2
 # A request the provider refused as too long is built again after the model call learned the provider's count (its
-# estimate now covers it: the build yields or compacts); a request refused this many times fails the turn.
+# estimate now covers it: the build yields or compacts); a request refused this many times fails the turn (so it is
+# built again once).
 MAX_REFUSALS_PER_REQUEST = 2
 PATCH_REBUILD_REFUSED = "rebuild-refused-request"
 CONTEXT_LENGTH_ERROR = "ContextLengthExceeded"  # activities/provider.py
@@ -134,7 +135,7 @@ class TurnRunner:
             except ActivityError as exc:
                 if not (
                     _refused_as_too_long(exc)
-                    and refusals < MAX_REFUSALS_PER_REQUEST
+                    and refusals + 1 < MAX_REFUSALS_PER_REQUEST
                     and workflow.patched(PATCH_REBUILD_REFUSED)
                 ):
                     raise

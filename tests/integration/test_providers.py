@@ -656,6 +656,20 @@ ERRORS = {
         False,
         None,
     ),
+    # Each provider's usual words when the input and the requested output together are over the window.
+    "context-length-with-output": ErrorCase(
+        400,
+        openai_error(
+            "This model's maximum context length is 128000 tokens. However, you requested 132563 tokens (130563 in "
+            "the messages, 2000 in the completion). Please reduce the length of the messages or completion.",
+            code="context_length_exceeded",
+        ),
+        anthropic_error("input length and `max_tokens` exceed context limit: 208310 + 8192 > 200000, decrease input"),
+        {},
+        "ContextLengthExceeded",
+        False,
+        None,
+    ),
 }
 
 
