@@ -32,7 +32,7 @@ ROOM_SLACK_TOKENS = 16
 # Shaped as a turn's message id: "u:" and its update's id, a UUID unless the caller chose one. The check's message
 # carries one, so that its envelope is as long as a real message's (an id of a few tokens left a session that passed
 # the open check 14 tokens short of answering "hi").
-_CHECK_MESSAGE_ID = "u:3f2504e0-4f89-41d3-9a0c-0305e82c3301"
+CHECK_MESSAGE_ID = "u:3f2504e0-4f89-41d3-9a0c-0305e82c3301"
 _CHECK_SEQ = 10**6  # the check message's log position: past any checkpoint the check puts before it
 
 
@@ -150,7 +150,7 @@ async def _build_minimum(
     """Build the request of a `message_tokens` message alone beside the prefix, with the corrections, the clock,
     the session's working state (unless `with_working_state` is False) and `checkpoint`'s summary (no history, no
     recall); raises TurnTooLargeError when it does not fit."""
-    message = UserMessage(id=_CHECK_MESSAGE_ID, seq=_CHECK_SEQ, text="word " * message_tokens)
+    message = UserMessage(id=CHECK_MESSAGE_ID, seq=_CHECK_SEQ, text="word " * message_tokens)
     writes = await state.store.working_state_writes(session_id) if with_working_state else []
     correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
     ws = working_state(writes, estimator.counter.count, 10**9)

@@ -20,7 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.failures import transient
-from activities.provider import CONTEXT_LENGTH_ERROR, ProviderRequest
+from activities.provider import CONTEXT_LENGTH_ERROR, WINDOW_MISMATCH_ERROR, ProviderRequest
 from activities.rows import RequestRecord
 from activities.session_state import SessionState, calibrated, provider_segment
 from activities.wire import WirePrefix
@@ -120,6 +120,10 @@ class ModelCallActivities(ModelCalls):
             reply = await within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
         except ApplicationError as exc:
             if exc.type == CONTEXT_LENGTH_ERROR:
+                window = open_.context_budget(epoch_profile).context_window
+                mismatch = window_mismatch(exc, record.estimated_tokens, window, epoch_profile.route)
+                if mismatch is not None:
+                    raise mismatch from exc  # not an estimate too low: learning from it would inflate the route
                 refusal, profile = exc, calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
                 await _store_waiting(lambda: self._learn_refusal(inp, record, profile, refusal))
                 cache.refused(inp.request_sha256)
@@ -248,9 +252,9 @@ class ModelCallActivities(ModelCalls):
         at least that much. A refusal that gives no count teaches the estimate plus the safety margin, and one
         token: at least what the provider must have counted, for the request to be over its limit."""
         info = activity.info()
-        details = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
+        details = _refusal_details(exc)
         counted = details.get("provider_tokens")
-        if not isinstance(counted, int) or counted <= record.estimated_tokens:
+        if not isinstance(counted, int):  # a count at or under the estimate is a window mismatch (window_mismatch)
             counted = math.ceil(record.estimated_tokens * (1.0 + profile.safety_margin)) + 1
         _, rec = reconcile(
             profile, raw_tokens=record.raw_tokens, estimated_tokens=record.estimated_tokens, actual_tokens=counted
@@ -302,6 +306,33 @@ class ModelCallActivities(ModelCalls):
 
     def all(self) -> list[Any]:
         return [self.call_model]
+
+
+def _refusal_details(exc: ApplicationError) -> dict[str, Any]:
+    return exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
+
+
+def window_mismatch(exc: ApplicationError, estimated: int, window: int, route: str) -> ApplicationError | None:
+    """A refusal that says the route's window is wrong, not its estimate: the provider states a window smaller than
+    the route's (`model_route.context_window` or `budget.context_window`), or counted no more than the estimate,
+    which was within the route's input limit. Learning from it would lift the calibration for every session on the
+    route, and a rebuild would be refused again: the turn fails `ContextWindowMismatch`, naming the fix."""
+    details = _refusal_details(exc)
+    limit, counted = details.get("provider_limit"), details.get("provider_tokens")
+    if isinstance(limit, int) and limit < window:
+        said = f"says {route}'s window is {limit:,} tokens"
+    elif isinstance(counted, int) and counted <= estimated:
+        said = f"counted {counted:,} tokens, no more than the {estimated:,} estimated within this route's input limit"
+    else:
+        return None
+    return ApplicationError(
+        f"the provider refused the request as too long and {said}: this route's context window ({window:,} "
+        "tokens) is larger than the model's; set model_route.context_window (or budget.context_window) to the "
+        "model's window",
+        {**details, "context_window": window},
+        type=WINDOW_MISMATCH_ERROR,
+        non_retryable=True,
+    )
 
 
 async def _store_waiting(op: Callable[[], Awaitable[T]]) -> T:

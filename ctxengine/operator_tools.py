@@ -10,10 +10,20 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from activities.minimum_body import CHECK_MESSAGE_ID, ROOM_SLACK_TOKENS
 from activities.tokens import TiktokenCounter
 from contract.payloads import ModelRoute, SessionOpen
 from core.budget import ContextBudget
-from core.build import BodyInputs, build, open_prefix, operator_tool, operator_tool_count, region_a_inputs
+from core.build import (
+    BodyInputs,
+    FrozenPrefix,
+    PrefixInputs,
+    build,
+    open_prefix,
+    operator_tool,
+    operator_tool_count,
+    region_a_inputs,
+)
 from core.errors import TurnTooLargeError
 from core.estimator import DEFAULT_PROFILES, ModelProfile, TokenEstimator
 from core.items import (
@@ -27,7 +37,10 @@ from core.items import (
 )
 from core.plan import PlanStatus
 
-_VALIDATE_SECRET = b"ctxengine-validate"  # nonces have a fixed length, so any secret measures the same
+_VALIDATE_SECRET = b"ctxengine-validate"
+# Nonces have a fixed length but not a fixed token count: a session's secret moves its prefix by some tens of tokens.
+# The floor is measured on the costliest prefix of this many secrets.
+FLOOR_SECRETS = 16
 FLOOR_SEARCH_LIMIT = 1 << 24  # the largest window the floor is looked for up to; beyond it the floor is -1
 
 
@@ -107,7 +120,10 @@ def validate_config(
             f"prefix is {prefix_tokens:,} tokens, below {profile.route}'s minimum cacheable length of "
             f"{profile.min_cacheable_tokens:,}: it will not be cached at all"
         )
-    floor = None if offending else min_window(budget, prefix, estimator, message_tokens, tool_results)
+    floor = None
+    if not offending:
+        worst, secret = costliest_prefix(inputs, loose, estimator)
+        floor = min_window(budget, worst, estimator, message_tokens, tool_results, secret=secret)
     below_floor = floor is not None and not 0 < floor <= budget.context_window
     return {
         "route": profile.route,
@@ -135,41 +151,69 @@ def route_budget(open_: SessionOpen, profile: ModelProfile) -> ContextBudget:
         return open_.context_budget().model_copy(update={"context_window": profile.context_window})
 
 
+def costliest_prefix(
+    inputs: PrefixInputs, budget: ContextBudget, estimator: TokenEstimator
+) -> tuple[FrozenPrefix, bytes]:
+    """The prefix of `inputs` with the most tokens over FLOOR_SECRETS secrets (its nonces' tokens vary), and its
+    secret: what the floor is measured on, so that a session at the floor opens whatever its own secret."""
+    drawn = [_VALIDATE_SECRET + str(k).encode() for k in range(FLOOR_SECRETS)]
+    prefixes = [(open_prefix(inputs, budget=budget, estimator=estimator, secret=s), s) for s in drawn]
+    return max(prefixes, key=lambda pair: pair[0].raw_tokens)
+
+
 def _takes_turn(
-    budget: ContextBudget, prefix: Any, estimator: TokenEstimator, window: int, message: str, n: int
+    budget: ContextBudget, prefix: Any, estimator: TokenEstimator, window: int, message: str, n: int, secret: bytes
 ) -> bool:
-    """Whether a turn fits at `window` under the route's `budget`: the first request (the message) and the one
-    after its n tool results."""
-    budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window})
+    """Whether a turn fits at `window` under the route's `budget`, as the open check asks (a message id shaped as a
+    real one, ROOM_SLACK_TOKENS to spare for a real turn's clock and id): the first request (the message) and the one
+    after its n tool results. The spare is taken off the window, so the builder yields for it as it would for a real
+    turn's extra tokens, and a larger window never takes less."""
+    if window - ROOM_SLACK_TOKENS <= budget.output_reserve:
+        return False
+    budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window - ROOM_SLACK_TOKENS})
     pairs: list[HistoryItem] = []
     for i in range(n):
         pairs.append(ToolCall(id=f"c{i}", seq=2 + 2 * i, call_id=f"v{i}", tool_name="tool", arguments={"q": "x" * 40}))
         pairs.append(ToolResult(id=f"r{i}", seq=3 + 2 * i, call_id=f"v{i}", tool_name="tool", content="data " * 400))
     clock = TurnContext(id="clock", text="Current date and time (UTC): 2000-01-01T00:00:00+00:00")
     bodies = [
-        BodyInputs(turn_start_seq=1, current=CurrentUserMessage(id="u", seq=1, text=message), turn_context=clock),
-        BodyInputs(history=[UserMessage(id="u", seq=1, text=message), *pairs], turn_start_seq=1, turn_context=clock),
+        BodyInputs(
+            turn_start_seq=1, current=CurrentUserMessage(id=CHECK_MESSAGE_ID, seq=1, text=message), turn_context=clock
+        ),
+        BodyInputs(
+            history=[UserMessage(id=CHECK_MESSAGE_ID, seq=1, text=message), *pairs],
+            turn_start_seq=1,
+            turn_context=clock,
+        ),
     ]
     try:
-        plans = [build(prefix, b, budget=budget, estimator=estimator, secret=_VALIDATE_SECRET) for b in bodies]
+        plans = [build(prefix, b, budget=budget, estimator=estimator, secret=secret) for b in bodies]
     except TurnTooLargeError:
         return False
     return all(p.status is PlanStatus.FITS for p in plans)
 
 
-def min_window(budget: ContextBudget, prefix: Any, estimator: TokenEstimator, message_tokens: int, n: int) -> int:
+def min_window(
+    budget: ContextBudget,
+    prefix: Any,
+    estimator: TokenEstimator,
+    message_tokens: int,
+    n: int,
+    *,
+    secret: bytes = _VALIDATE_SECRET,
+) -> int:
     """The smallest context window at which a configuration with the route's `budget` takes a turn with a message
     of `message_tokens` tokens and `n` tool results (its output reserve included), by bisection: a larger window
     never fits less. -1 when no window up to FLOOR_SEARCH_LIMIT does."""
     message = " ".join(["word"] * message_tokens)
     low, high = budget.output_reserve + 1, max(budget.output_reserve + 2, 1 << 16)
-    while not _takes_turn(budget, prefix, estimator, high, message, n):
+    while not _takes_turn(budget, prefix, estimator, high, message, n, secret):
         high *= 2
         if high > FLOOR_SEARCH_LIMIT:
             return -1
     while low < high:
         mid = (low + high) // 2
-        if _takes_turn(budget, prefix, estimator, mid, message, n):
+        if _takes_turn(budget, prefix, estimator, mid, message, n, secret):
             high = mid
         else:
             low = mid + 1

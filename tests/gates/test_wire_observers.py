@@ -3,16 +3,19 @@ real adapters against the protocol servers; and the pairs observer catching a fa
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 
 from activities.openai_provider import OpenAIProvider, read_completion, render_chat_request
 from activities.provider import ProviderReply, ProviderRequest
 from activities.wire import wire_prefix
 from harness.faults import RefusalNotLearned
 from harness.gates import live_stack
+from harness.sessions import gate_open
 from harness.wire_gates import wire_budget, wire_pairs, wire_refusal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -88,3 +91,28 @@ async def test_negative_a_refusal_not_learned_fails_the_turn(temporal_client: Cl
     assert result["turns_failed"][:1] == ["ContextLengthExceeded"], result
     # Every turn that failed was refused twice (refused twice: the turn fails), and nothing was learned.
     assert result["requests_refused"] == 2 * len(result["turns_failed"]) and result["refusal_events"] == []
+
+
+async def test_a_window_larger_than_the_models_is_named_not_learned(temporal_client: Client, pg_dsn: str) -> None:
+    """A route configured with an 8,000-token window whose model (the server) has 5,000: the refusal states the
+    model's window, so the turn fails `ContextWindowMismatch` naming the fix, and the route's calibration is not
+    lifted (before, each refusal lifted it by up to 10%: it swung between 0.96 and 1.54 over 40 turns)."""
+    async with live_stack(client=temporal_client, dsn=pg_dsn, wire=True) as stack:
+        model = f"mismatch-{uuid.uuid4().hex[:6]}-w5000-r1.0"
+        route = {"provider": "openai", "model": model, "encoding": "cl100k_base"}
+        handle = await stack.start(
+            gate_open(model_route=route, budget={"context_window": 8_000, "output_reserve": 512}), "mismatch"
+        )
+        failed: list[ApplicationError] = []
+        for t in range(14):
+            try:
+                await stack.turn(handle, f"turn {t}: " + "alpha beta gamma " * 60)
+            except WorkflowUpdateFailedError as exc:
+                assert isinstance(exc.cause, ApplicationError)
+                failed.append(exc.cause)
+        assert failed and {f.type for f in failed} == {"ContextWindowMismatch"}, [f.type for f in failed]
+        assert "set model_route.context_window" in failed[0].message and "5,000" in failed[0].message
+        calibration = await stack.store.get_calibration(f"openai/{model}")
+        assert calibration is not None and calibration <= 1.05
+        events = await stack.store.events(handle.id)
+        assert not [e for e in events if e.type == "context.estimator.refused"]

@@ -10,7 +10,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailed
 from temporalio.exceptions import ApplicationError
 
 from contract import names
-from contract.payloads import ModelRoute, RotateEpoch, SessionState, WriteMemory
+from contract.payloads import ModelRoute, RotateEpoch, SessionOpen, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -162,6 +162,34 @@ async def test_a_session_that_could_not_answer_hi_fails_at_open(
         assert isinstance(cause, ApplicationError) and cause.type == "RouteDoesNotFit", cause
         sizes = cause.details[0]
         assert sizes["prefix_tokens"] + sizes["minimum_body_tokens"] > sizes["input_limit"] == 3_200 - 256
+
+
+async def test_a_window_at_validates_floor_opens_whatever_the_session(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """`ctxengine validate`'s floor for a one-word turn is a window every session of the configuration opens at and
+    answers "hi" in, whatever its secret (its nonces' tokens vary). Before, the floor was measured without the open
+    check's message id and slack, on one secret: 50-70 tokens below the smallest window that opened."""
+    from activities.tokens import TiktokenCounter
+    from ctxengine.operator_tools import validate_config
+
+    words = " ".join(["alpha", "beta", "gamma", "delta", "policy", "always"] * 417)
+    route = {"provider": "scripted", "model": "scripted-1", "context_window": 16_000}
+
+    def config(window: int) -> SessionOpen:
+        return session_open(
+            agent_instructions=words, model_route=route, budget={"context_window": window, "output_reserve": 256}
+        )
+
+    counter = TiktokenCounter()
+    floor = validate_config(config(8_000), config(8_000).route, lambda _: counter, message_tokens=1, tool_results=0)[
+        "min_context_window"
+    ]
+    async with stack(temporal_client, pg_dsn, task_queue):
+        for _ in range(5):
+            handle = await start(temporal_client, task_queue, config(floor))
+            answered = await asyncio.wait_for(turn(handle, "hi"), timeout=60)  # none if it failed to open
+            assert answered.plan.status.value == "fits"
 
 
 async def test_rotations_take_fewer_memories_rather_than_leave_no_room(

@@ -196,9 +196,9 @@ async def test_replay_reproduces_and_halving_needs_compaction(
 class TestValidateFloor:
     def test_floor_is_the_smallest_window_that_takes_the_turn(self) -> None:
         """validate's floor takes a turn of that message and those results; one token less does not."""
-        from core.build import PrefixInputs, open_prefix
+        from core.build import PrefixInputs
         from core.estimator import TokenEstimator
-        from ctxengine.operator_tools import _takes_turn
+        from ctxengine.operator_tools import _takes_turn, costliest_prefix
 
         counter = TiktokenCounter()
         open_ = session_open(budget={"output_reserve": 600})
@@ -209,18 +209,17 @@ class TestValidateFloor:
         loose = report  # the prefix is measured the same way validate measures it
         assert loose["floor_for"] == {"message_tokens": 300, "tool_results": 4}
         tools = [t for t in validate_prefix_tools(open_)]
-        prefix = open_prefix(
+        prefix, secret = costliest_prefix(  # the prefix validate measures the floor on
             PrefixInputs(
                 platform_policy=open_.platform_policy, agent_instructions=open_.agent_instructions, tools=tools
             ),
-            budget=open_.context_budget().model_copy(update={"tools_max_count": 10**9}),
-            estimator=estimator,
-            secret=b"ctxengine-validate",
+            open_.context_budget().model_copy(update={"tools_max_count": 10**9}),
+            estimator,
         )
         message = " ".join(["word"] * 300)
         budget = open_.context_budget(estimator.profile)
-        assert _takes_turn(budget, prefix, estimator, floor, message, 4)
-        assert not _takes_turn(budget, prefix, estimator, floor - 1, message, 4)
+        assert _takes_turn(budget, prefix, estimator, floor, message, 4, secret)
+        assert not _takes_turn(budget, prefix, estimator, floor - 1, message, 4, secret)
 
     def test_more_tool_results_need_a_larger_window(self) -> None:
         """The floor grows with the number of tool results, and the CLI prints it per route."""

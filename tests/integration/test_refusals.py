@@ -41,7 +41,9 @@ def _env(activity_id: str) -> ActivityEnvironment:
     return env
 
 
-async def _refused(store: Store, message: str, calls: int) -> tuple[str, list[dict[str, object]], list[float]]:
+async def _refused(
+    store: Store, message: str, calls: int, expect: str = "ContextLengthExceeded"
+) -> tuple[str, list[dict[str, object]], list[float]]:
     """A seeded session's next request, sent `calls` times to a provider refusing it with `message`: the refusal
     events and the route's calibration after each."""
     await store.migrate()
@@ -63,7 +65,7 @@ async def _refused(store: Store, message: str, calls: int) -> tuple[str, list[di
         )
         with pytest.raises(ApplicationError) as refused:
             await _env(str(2 * n + 2)).run(acts.model_call.call_model, inp)
-        assert refused.value.type == "ContextLengthExceeded" and refused.value.non_retryable
+        assert refused.value.type == expect and refused.value.non_retryable, refused.value.type
         lifted.append(await store.get_calibration(route_key) or 0.0)
     events = [e.payload for e in await store.events(session_id) if e.type == "context.estimator.refused"]
     return route_key, events, lifted
@@ -79,14 +81,12 @@ async def test_each_refusal_is_an_event_and_lifts_the_calibration(pg_dsn: str) -
     assert [e["provider_tokens"] for e in events] == [None, None]
 
 
-async def test_a_refusal_counting_less_than_the_estimate_never_lowers_the_calibration(pg_dsn: str) -> None:
-    """A refusal whose stated count is below the estimate (a provider counting the limit differently) says only
-    that the estimate was too low: the calibration does not move down."""
+async def test_a_refusal_that_says_the_window_is_smaller_is_not_learned(pg_dsn: str) -> None:
+    """A refusal stating a model window (100 tokens) smaller than the route's, and a count no larger than the
+    estimate: the route's window is wrong, not its estimate. The call fails `ContextWindowMismatch` naming the fix,
+    and nothing is learned (no event, no calibration stored)."""
     async with Store.from_dsn(pg_dsn) as store:
-        route, _, lifted = await _refused(
-            store,
-            "This model's maximum context length is 100 tokens. However, your messages resulted in 101 tokens.",
-            1,
-        )
-        profile_calibration = 1.0  # the scripted route's published ratio, and nothing learned before
-        assert lifted[0] > profile_calibration, (route, lifted)
+        message = "This model's maximum context length is 100 tokens. However, your messages resulted in 101 tokens."
+        await _refused(store, message, 1, expect="ContextWindowMismatch")
+        assert await store.pool.fetchval("SELECT count(*) FROM calibrations") == 0
+        assert await store.pool.fetchval("SELECT count(*) FROM events WHERE type = 'context.estimator.refused'") == 0
