@@ -20,7 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.failures import transient
-from activities.provider import CONTEXT_LENGTH_ERROR, WINDOW_MISMATCH_ERROR, ProviderRequest
+from activities.provider import ProviderRequest
 from activities.rows import RequestRecord
 from activities.session_state import SessionState, calibrated, provider_segment
 from activities.wire import WirePrefix
@@ -28,7 +28,13 @@ from contract import names
 from contract.activity_interfaces import ModelCalls
 from contract.events import EventType
 from contract.payloads import ModelInput, ModelResult, ToolCallRequest
-from contract.retries import INITIAL_INTERVAL_S, MAXIMUM_INTERVAL_S, STORE_OUTAGE_WAIT_S
+from contract.retries import (
+    CONTEXT_LENGTH_EXCEEDED,
+    CONTEXT_WINDOW_MISMATCH,
+    INITIAL_INTERVAL_S,
+    MAXIMUM_INTERVAL_S,
+    STORE_OUTAGE_WAIT_S,
+)
 from core.estimator import ModelProfile, calibration_target, reconcile
 from core.explain import first_wire_difference
 from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
@@ -119,7 +125,7 @@ class ModelCallActivities(ModelCalls):
         try:
             reply = await within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
         except ApplicationError as exc:
-            if exc.type == CONTEXT_LENGTH_ERROR:
+            if exc.type == CONTEXT_LENGTH_EXCEEDED:
                 window = open_.context_budget(epoch_profile).context_window
                 mismatch = window_mismatch(exc, record.estimated_tokens, window, epoch_profile.route)
                 if mismatch is not None:
@@ -330,7 +336,7 @@ def window_mismatch(exc: ApplicationError, estimated: int, window: int, route: s
         "tokens) is larger than the model's; set model_route.context_window (or budget.context_window) to the "
         "model's window",
         {**details, "context_window": window},
-        type=WINDOW_MISMATCH_ERROR,
+        type=CONTEXT_WINDOW_MISMATCH,
         non_retryable=True,
     )
 

@@ -28,7 +28,6 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.provider import (
-    CONTEXT_LENGTH_ERROR,
     SUMMARY_PROMPT,
     ProviderReply,
     ProviderRequest,
@@ -40,6 +39,7 @@ from activities.provider import (
 )
 from activities.tokens import TiktokenCounter
 from activities.wire import wire_prefix
+from contract.retries import CONTEXT_LENGTH_EXCEEDED
 from contract.settings import settings
 from core.estimator import ModelProfile
 from core.rendering import escape_content, parse_envelopes
@@ -313,7 +313,7 @@ def context_length_error(
             "provider_limit": numbers.get("limit"),
             "provider_message": message,
         },
-        type=CONTEXT_LENGTH_ERROR,
+        type=CONTEXT_LENGTH_EXCEEDED,
         non_retryable=True,
     )
 

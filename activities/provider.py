@@ -24,12 +24,6 @@ from contract.payloads import storable_text
 from core.estimator import ModelProfile
 from core.rendering import FRAMING_TEXT, EnvelopeParseError, parse_envelopes
 
-# The error type of a request the provider refused as too long for its model (`context_length_error`): the model call
-# learns the provider's count from it, and the turn builds the request again (workflows/turn.py).
-CONTEXT_LENGTH_ERROR = "ContextLengthExceeded"
-# A refusal as too long whose figures say the route's window is larger than the model's (activities/model_call.py).
-WINDOW_MISMATCH_ERROR = "ContextWindowMismatch"
-
 
 class ProviderSegment(BaseModel):
     raw_tokens: int = 0  # the counter's count of `text`, from the plan

@@ -43,5 +43,10 @@ NON_RETRYABLE_ERROR_TYPES = [
     "OrphanedToolItemError",
     "NonYieldableOverflowError",
 ]
+# A provider refused a request as too long for its model (the adapters raise it; the model call learns from it and
+# the turn builds the request again once, workflows/turn.py); and a refusal whose figures say the route's window,
+# not its estimate, is wrong (the model call raises it instead, learning nothing).
+CONTEXT_LENGTH_EXCEEDED = "ContextLengthExceeded"
+CONTEXT_WINDOW_MISMATCH = "ContextWindowMismatch"
 # The typed error a failed turn's update carries when its cause had no type of its own.
 TURN_FAILED = "TurnFailed"

@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         ToolResultSummary,
         TurnResult,
     )
+    from contract.retries import CONTEXT_LENGTH_EXCEEDED
     from core.compaction import CompactionDecision
     from core.plan import PlanStatus, PlanSummary
     from core.policy import authorize
@@ -41,7 +42,6 @@ MAX_COMPACTIONS_PER_REQUEST = 2
 # built again once).
 MAX_REFUSALS_PER_REQUEST = 2
 PATCH_REBUILD_REFUSED = "rebuild-refused-request"
-CONTEXT_LENGTH_ERROR = "ContextLengthExceeded"  # activities/provider.py
 
 
 # (turn, user_item_id, call_index) -> the result of the rest of the turn, run in a child with a fresh body.
@@ -277,4 +277,4 @@ class TurnRunner:
 
 def _refused_as_too_long(exc: ActivityError) -> bool:
     """Whether a model call failed because the provider refused its request as too long for the model."""
-    return isinstance(exc.cause, ApplicationError) and exc.cause.type == CONTEXT_LENGTH_ERROR
+    return isinstance(exc.cause, ApplicationError) and exc.cause.type == CONTEXT_LENGTH_EXCEEDED
