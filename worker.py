@@ -416,7 +416,12 @@ def run() -> None:
         return
     except (EmbeddedUnavailable, SettingsError, StartupError) as exc:
         sys.stderr.write(f"ctxengine worker: {exc}\n")
-        raise SystemExit(2) from None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit without finalizing the interpreter: the services are stopped by now, but a Temporal client's runtime
+        # thread may still call into Python, which aborts a finalizing interpreter ("PyGILState_Release", exit -6)
+        # instead of exiting 2 (seen once in CI, after "the Temporal server has no such namespace").
+        os._exit(2)
 
 
 if __name__ == "__main__":

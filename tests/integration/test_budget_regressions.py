@@ -4,9 +4,10 @@ fits or fails alone"): each failed before yields reached inside the active turn 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from contract import names
@@ -20,6 +21,27 @@ LONG = '/call web.fetch {"url": "fixture://long"}'
 
 def fetches(n: int) -> str:
     return "\n".join([LONG] * n)
+
+
+async def _failed_at_open(
+    client: Client, task_queue: str, *, rules: int, window: int
+) -> tuple[WorkflowHandle[Any, Any], ApplicationError]:
+    """A session of `rules` words of instructions on a scripted route of `window` tokens (output reserve 256) that
+    fails at open: its handle and the RouteDoesNotFit it failed with."""
+    handle = await start(
+        client,
+        task_queue,
+        session_open(
+            agent_instructions="rule " * rules,
+            model_route={"provider": "scripted", "model": "scripted-1", "context_window": window},
+            budget={"output_reserve": 256},
+        ),
+    )
+    with pytest.raises(WorkflowFailureError) as info:
+        await asyncio.wait_for(handle.result(), timeout=60)
+    cause = info.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "RouteDoesNotFit", cause
+    return handle, cause
 
 
 async def test_tool_heavy_turns_at_6k_are_answered(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
@@ -100,19 +122,7 @@ async def test_a_session_whose_prefix_leaves_no_room_for_a_turn_fails_at_open(
     cap, but no turn could ever fit beside the prefix. The session fails at open, typed RouteDoesNotFit with the
     sizes, and the event is stored; before, it opened and every turn, even "hi", failed with TurnTooLarge."""
     async with stack(temporal_client, pg_dsn, task_queue) as store:
-        handle = await start(
-            temporal_client,
-            task_queue,
-            session_open(
-                agent_instructions="rule " * 3_300,
-                model_route={"provider": "scripted", "model": "scripted-1", "context_window": 4_096},
-                budget={"output_reserve": 256},
-            ),
-        )
-        with pytest.raises(WorkflowFailureError) as info:
-            await asyncio.wait_for(handle.result(), timeout=60)
-        cause = info.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == "RouteDoesNotFit", cause
+        handle, cause = await _failed_at_open(temporal_client, task_queue, rules=3_300, window=4_096)
         assert "no turn could be answered" in cause.message
         sizes = cause.details[0]
         assert sizes["prefix_tokens"] + sizes["minimum_body_tokens"] > sizes["input_limit"] == 4_096 - 256
@@ -147,19 +157,7 @@ async def test_a_session_that_could_not_answer_hi_fails_at_open(
     and a real turn's clock and id may add ROOM_SLACK_TOKENS. Before, the check's message had a 3-token id: with
     these instructions the session opened, 14 tokens short of answering "hi" (TurnTooLarge). It fails at open."""
     async with stack(temporal_client, pg_dsn, task_queue):
-        handle = await start(
-            temporal_client,
-            task_queue,
-            session_open(
-                agent_instructions="rule " * 900,
-                model_route={"provider": "scripted", "model": "scripted-1", "context_window": 3_200},
-                budget={"output_reserve": 256},
-            ),
-        )
-        with pytest.raises(WorkflowFailureError) as info:
-            await asyncio.wait_for(handle.result(), timeout=60)
-        cause = info.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == "RouteDoesNotFit", cause
+        _, cause = await _failed_at_open(temporal_client, task_queue, rules=900, window=3_200)
         sizes = cause.details[0]
         assert sizes["prefix_tokens"] + sizes["minimum_body_tokens"] > sizes["input_limit"] == 3_200 - 256
 
