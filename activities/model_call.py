@@ -122,6 +122,16 @@ class ModelCallActivities(ModelCalls):
             estimated_tokens=record.estimated_tokens,
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
+        if activity.info().attempt > 1:  # an earlier attempt's refusal, stored before its worker died: not again
+            refused = await _store_waiting(lambda: store.event_payload(inp.session_id, refusal_key(inp)))
+            if refused is not None:
+                cache.refused(inp.request_sha256)
+                raise ApplicationError(
+                    "the provider refused this request as too long (an earlier attempt; its count is learned)",
+                    refused,
+                    type=CONTEXT_LENGTH_EXCEEDED,
+                    non_retryable=True,
+                )
         try:
             reply = await within_attempt(provider.complete(request))  # the interceptor heartbeats meanwhile
         except ApplicationError as exc:
@@ -257,7 +267,6 @@ class ModelCallActivities(ModelCalls):
         that the turn's next build of the request (workflows/turn.py) and every later request on the route estimate
         at least that much. A refusal that gives no count teaches the estimate plus the safety margin, and one
         token: at least what the provider must have counted, for the request to be over its limit."""
-        info = activity.info()
         details = _refusal_details(exc)
         counted = details.get("provider_tokens")
         if not isinstance(counted, int):  # a count at or under the estimate is a window mismatch (window_mismatch)
@@ -277,8 +286,7 @@ class ModelCallActivities(ModelCalls):
             inp.session_id,
             route=profile.route,
             calibration=lifted,
-            # One per refusal: a rebuild can be the same request (the same hash), refused again by another call.
-            event_key=f"refused:{inp.turn}:{inp.call_index}:{info.workflow_run_id}:{info.activity_id}",
+            event_key=refusal_key(inp),
             event_type=EventType.ESTIMATOR_REFUSED.value,
             turn=inp.turn,
             epoch=inp.epoch,
@@ -312,6 +320,13 @@ class ModelCallActivities(ModelCalls):
 
     def all(self) -> list[Any]:
         return [self.call_model]
+
+
+def refusal_key(inp: ModelInput) -> str:
+    """The event key of this model call's refusal: one per call (a run's activity), so a rebuild that is the same
+    request (the same hash), refused again by the next call, is its own event; an attempt of the same call finds it."""
+    info = activity.info()
+    return f"refused:{inp.turn}:{inp.call_index}:{info.workflow_run_id}:{info.activity_id}"
 
 
 def _refusal_details(exc: ApplicationError) -> dict[str, Any]:

@@ -384,6 +384,7 @@ SELECT sha256, text, first_turn FROM wire_prefixes WHERE session_id = $1 AND epo
 SQL_ADD_EVENT = """
 INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1"""
+SQL_EVENT = "SELECT payload FROM events WHERE session_id = $1 AND event_key = $2"
 SQL_EVENTS = (
     "SELECT event_key, type, turn, epoch, payload, created_at FROM events WHERE session_id = $1 ORDER BY created_at"
 )
@@ -1184,6 +1185,11 @@ class Store:
     ) -> bool:
         """True when this call stored the event (a retry finds it there and returns False)."""
         return bool(await self.pool.fetchval(SQL_ADD_EVENT, session_id, event_key, type_, turn, epoch, payload))
+
+    async def event_payload(self, session_id: str, event_key: str) -> dict[str, Any] | None:
+        """The payload of the session's event stored under `event_key`, or None."""
+        payload: dict[str, Any] | None = await self.pool.fetchval(SQL_EVENT, session_id, event_key)
+        return payload
 
     async def events(self, session_id: str) -> list[StoredEvent]:
         return _all(StoredEvent, await self.pool.fetch(SQL_EVENTS, session_id))

@@ -28,16 +28,18 @@ class Refusing:
 
     def __init__(self, message: str) -> None:
         self.message = message
+        self.calls = 0
 
     async def complete(self, request: ProviderRequest) -> ProviderReply:
+        self.calls += 1
         raise context_length_error(
             provider="openai", request=request, model="m", status=400, message=self.message, request_id=None
         )
 
 
-def _env(activity_id: str) -> ActivityEnvironment:
+def _env(activity_id: str, attempt: int = 1) -> ActivityEnvironment:
     env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, activity_id=activity_id)
+    env.info = dataclasses.replace(env.info, activity_id=activity_id, attempt=attempt)
     return env
 
 
@@ -90,3 +92,28 @@ async def test_a_refusal_that_says_the_window_is_smaller_is_not_learned(pg_dsn: 
         await _refused(store, message, 1, expect="ContextWindowMismatch")
         assert await store.pool.fetchval("SELECT count(*) FROM calibrations") == 0
         assert await store.pool.fetchval("SELECT count(*) FROM events WHERE type = 'context.estimator.refused'") == 0
+
+
+async def test_a_retried_call_whose_refusal_was_stored_does_not_ask_again(pg_dsn: str) -> None:
+    """A worker killed after storing a refusal, before completing the call: Temporal retries the call, whose next
+    attempt finds the refusal stored and fails as it did, without asking the provider again (before, the provider
+    was asked, and refused, twice for one call)."""
+    async with Store.from_dsn(pg_dsn) as store:
+        await store.migrate()
+        session_id, last = await cold_build.seed(store, 12)
+        providers = build_providers()
+        refusing = Refusing("The request is too long: your messages resulted in 130563 tokens.")
+        providers["scripted"] = refusing  # type: ignore[assignment]
+        acts = SessionActivities(store, providers)
+        build = BuildInput(session_id=session_id, turn=last + 1, call_index=0, epoch=1, now_iso=NOW, user_text="hi")
+        built = await ActivityEnvironment().run(acts.build.build_context, build)
+        inp = ModelInput(
+            session_id=session_id, turn=last + 1, call_index=0, epoch=1, request_sha256=built.plan.request_sha256
+        )
+        for attempt in (1, 2):
+            with pytest.raises(ApplicationError) as refused:
+                await _env("7", attempt).run(acts.model_call.call_model, inp)
+            assert refused.value.type == "ContextLengthExceeded" and refused.value.non_retryable
+        assert refusing.calls == 1
+        events = [e for e in await store.events(session_id) if e.type == "context.estimator.refused"]
+        assert len(events) == 1 and events[0].payload["provider_tokens"] == 130_563
