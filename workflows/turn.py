@@ -38,9 +38,8 @@ from workflows.retry_policies import MODEL_RETRY, RETRY
 MAX_MODEL_CALLS_PER_TURN = 8
 MAX_COMPACTIONS_PER_REQUEST = 2
 # A request the provider refused as too long is built again after the model call learned the provider's count (its
-# estimate now covers it: the build yields or compacts); a request refused this many times fails the turn (so it is
-# built again once).
-MAX_REFUSALS_PER_REQUEST = 2
+# estimate now covers it: the build yields or compacts), this many times; refused once more, it fails the turn.
+MAX_REBUILDS_AFTER_REFUSAL = 1
 PATCH_REBUILD_REFUSED = "rebuild-refused-request"
 
 
@@ -135,7 +134,7 @@ class TurnRunner:
             except ActivityError as exc:
                 if not (
                     _refused_as_too_long(exc)
-                    and refusals + 1 < MAX_REFUSALS_PER_REQUEST
+                    and refusals < MAX_REBUILDS_AFTER_REFUSAL
                     and workflow.patched(PATCH_REBUILD_REFUSED)
                 ):
                     raise
