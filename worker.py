@@ -45,6 +45,7 @@ from temporalio.worker.workflow_sandbox._runner import _Instance as SandboxedIns
 
 from activities.compaction import CompactionActivities
 from activities.failures import FailureInterceptor
+from activities.migrations import MIGRATIONS
 from activities.provider import ModelProvider
 from activities.providers import build_providers, close_providers
 from activities.session import SessionActivities
@@ -380,6 +381,13 @@ async def main() -> None:
             "postgresql", lambda: stack.enter_async_context(Store.from_dsn(dsn)), permanent=_permanent_postgres
         )
         version = await with_backoff("postgresql", store.migrate, permanent=_permanent_postgres)
+        if version > len(MIGRATIONS):
+            log.warning(
+                "worker.schema_newer",
+                schema_version=version,
+                release_schema_version=len(MIGRATIONS),
+                meaning="a newer release migrated this database; this worker runs on it as during a rolling upgrade",
+            )
         task_queue = config.task_queue
         # On the embedded dev stack alone, a session that names no model route gets the scripted model.
         embedded = not config.temporal_address and not config.database_url

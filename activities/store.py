@@ -766,7 +766,10 @@ class Store:
             await pool.close()
 
     async def migrate(self) -> int:
-        """Apply pending migrations under an advisory lock; returns the schema version."""
+        """Apply pending migrations under an advisory lock; returns the database's schema version.
+
+        That is `len(MIGRATIONS)` unless a newer release has migrated the database further: its migrations stay (a
+        migration is never undone) and the version returned is theirs, which the caller reports (`worker.py`)."""
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
             await conn.execute(SQL_CREATE_MIGRATIONS)
@@ -775,7 +778,7 @@ class Store:
                 if version not in done:
                     await conn.execute(ddl)
                     await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
-            return len(MIGRATIONS)
+            return max(len(MIGRATIONS), *done) if done else len(MIGRATIONS)
 
     # ------------------------------------------------------------ sessions
     async def create_session(self, session_id: str, open_json: dict[str, Any], secret: bytes) -> bytes:
