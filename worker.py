@@ -138,19 +138,43 @@ class _CurrentStderr:
 
 def configure_logging(level: int = logging.INFO) -> None:
     """JSON lines on stderr (whichever stream it is when a line is written); activities bind session_id, turn
-    and epoch."""
+    and epoch. Warnings and errors logged through Python's `logging` (the Temporal SDK's workflow, activity and
+    worker loggers, the core's lines forwarded by `install_runtime`) are written as JSON lines too, with the
+    logger's name."""
+    stamp: list[Any] = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             *_trace_ids(),
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *stamp,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=True,
     )
+    root = logging.getLogger()
+    root.handlers = [h for h in root.handlers if not isinstance(h, _JsonLines)]
+    root.addHandler(_JsonLines(stamp))
+    root.setLevel(max(level, logging.WARNING))  # as Python's own last resort: other libraries' info stays out
+
+
+class _JsonLines(logging.StreamHandler):  # type: ignore[type-arg]
+    """Python `logging` records as the JSON lines structlog writes: event, level, timestamp, logger, the
+    record's extra fields (the SDK's `temporal_workflow` / `temporal_activity`) and any exception."""
+
+    def __init__(self, stamp: list[Any]) -> None:
+        super().__init__(cast(TextIO, _CurrentStderr()))
+        self.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=[*stamp, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info,
+                    structlog.processors.JSONRenderer(default=str),
+                ],
+            )
+        )
 
 
 def _trace_ids() -> list[Any]:

@@ -1,12 +1,18 @@
-"""The worker's garbage-collector settings (`worker.tuned_gc`): start-up's heap frozen, the young generation
-collected less often, cycles still collected, the settings as they were on exit."""
+"""The worker's runtime: its garbage-collector settings (`worker.tuned_gc`: start-up's heap frozen, the young
+generation collected less often, cycles still collected, the settings as they were on exit), and its log lines."""
 
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 from worker import GC_THRESHOLDS, tuned_gc
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Node:
@@ -49,3 +55,36 @@ def test_cycles_made_after_start_up_are_still_collected_automatically() -> None:
         kept = [_Node() for _ in range(2 * GC_THRESHOLDS[0])]  # past the young generation's threshold
         assert gone() is None
         del kept
+
+
+_LOGS_FROM_LOGGING = """
+import logging, structlog, worker
+worker.configure_logging()
+logging.getLogger("temporalio.activity").warning(
+    "Completing activity as failed (%s)", "x", extra={"temporal_activity": {"activity_id": "7"}}
+)
+logging.getLogger("temporalio.worker").info("an info line of another library stays out")
+try:
+    1 / 0
+except ZeroDivisionError:
+    logging.getLogger("temporalio.worker").exception("multi\\nline")
+structlog.get_logger().info("worker.own", session_id="s")
+"""
+
+
+def test_what_the_sdk_logs_through_logging_is_written_as_json_lines() -> None:
+    """The SDK's own loggers (stdlib `logging`) write JSON lines like structlog's, one per record, warnings and
+    errors only, with the logger's name, the record's extra fields and the exception."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LOGS_FROM_LOGGING], capture_output=True, text=True, timeout=60, cwd=REPO, check=True
+    )
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line is one JSON object
+    assert [(line["event"], line["level"]) for line in lines] == [
+        ("Completing activity as failed (x)", "warning"),
+        ("multi\nline", "error"),
+        ("worker.own", "info"),
+    ]
+    assert lines[0]["logger"] == "temporalio.activity"
+    assert lines[0]["temporal_activity"] == {"activity_id": "7"}
+    assert "ZeroDivisionError" in lines[1]["exception"]
+    assert all("timestamp" in line for line in lines)
