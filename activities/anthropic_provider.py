@@ -214,6 +214,10 @@ class AnthropicProvider:
         if timeout is not None:
             options["timeout"] = timeout
         self.client = anthropic.AsyncAnthropic(**options)
+        # Given with every call: without it the SDK refuses, before sending, a call without streaming whose
+        # `max_tokens` it expects to take over 10 minutes (an output reserve of about 21,334 or more). The model call
+        # is cut by its own `timeouts.model_seconds` (`within_attempt`), whatever the SDK's timeout.
+        self.call_timeout = self.client.timeout
 
     async def aclose(self) -> None:
         """Close the SDK client's connections (the worker does, when it stops)."""
@@ -234,7 +238,7 @@ class AnthropicProvider:
     async def _create(self, kwargs: dict[str, Any], request: ProviderRequest | None, model: str) -> Any:
         anthropic = self._anthropic
         try:
-            return await self.client.messages.create(**kwargs)
+            return await self.client.messages.create(**kwargs, timeout=self.call_timeout)
         except anthropic.APIStatusError as exc:
             raise self._status_error(exc, request, model) from exc
         except anthropic.APITimeoutError as exc:
@@ -273,7 +277,7 @@ class AnthropicProvider:
         """Like `_create`, and the request body's bytes exactly as sent (for the wire hash)."""
         anthropic = self._anthropic
         try:
-            raw = await self.client.messages.with_raw_response.create(**kwargs)
+            raw = await self.client.messages.with_raw_response.create(**kwargs, timeout=self.call_timeout)
         except anthropic.APIStatusError as exc:
             raise self._status_error(exc, request, request.model) from exc
         except anthropic.APITimeoutError as exc:

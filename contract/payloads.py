@@ -10,7 +10,16 @@ import re
 from typing import Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from contract import bounds
 from core.budget import ContextBudget
@@ -225,7 +234,7 @@ class SessionOpen(_Input):
             return budget
         window = (info.data["model_route"] or ModelRoute()).profile().context_window
         try:
-            ContextBudget.model_validate(_on_route(window, budget))
+            checked = ContextBudget.model_validate(_on_route(window, budget))
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])
@@ -234,16 +243,28 @@ class SessionOpen(_Input):
                 field = "budget.output_reserve"
             msg = str(first["msg"]).removeprefix("Value error, ")
             raise ValueError(f"{field}: {msg} (model_route.context_window {window:,})") from None
+        if checked.output_reserve < 1 and info.context is not STORED:  # sessions opened before keep theirs
+            raise ValueError(
+                "budget.output_reserve: must be at least 1: it is each request's maximum output tokens "
+                "(`max_tokens`), which providers refuse at 0"
+            )
         return budget
+
+
+_WINDOW = TypeAdapter(int)  # as `ContextBudget.context_window`, an `int`, reads a value
 
 
 def _on_route(window: int, budget: dict[str, Any]) -> dict[str, Any]:
     """A route's `window` with the session's budget overrides on top; an override of `context_window` takes the
-    smaller of the two (a larger one would send requests over the model's window)."""
+    smaller of the two (a larger one would send requests over the model's window). The override is read as
+    `ContextBudget` reads it (`100000.0` and `"100000"` are 100,000); one it cannot read is left for its
+    validation to name."""
     merged = {"context_window": window, **budget}
-    override = budget.get("context_window")
-    if isinstance(override, int) and not isinstance(override, bool):
-        merged["context_window"] = min(window, override)
+    if "context_window" in budget:
+        try:
+            merged["context_window"] = min(window, _WINDOW.validate_python(budget["context_window"]))
+        except ValidationError:
+            pass
     return merged
 
 

@@ -572,6 +572,15 @@ class TestAnthropicWire:
         reply = await session.provider.complete(session.request(0, None))
         assert (reply.usage.input_tokens, reply.usage.cached_tokens, reply.usage.output_tokens) == (2_050, 1_700, 9)
 
+    @pytest.mark.parametrize("max_output", [21_334, 64_000])
+    async def test_a_large_output_reserve_is_sent(self, anthropic_srv: FakeServer, max_output: int) -> None:
+        """A `max_tokens` the SDK expects to take over 10 minutes without streaming is sent, not refused by the SDK
+        before sending ("Streaming is required ..."): the model call's own timeout bounds the call."""
+        session = Session(anthropic_provider(anthropic_srv), "anthropic")
+        request = session.request(0, None).model_copy(update={"max_output_tokens": max_output})
+        await session.provider.complete(request)
+        assert anthropic_srv.requests[-1].body["max_tokens"] == max_output
+
     async def test_summarize_uses_the_summary_prompt(self, anthropic_srv: FakeServer) -> None:
         """summarize() sends the summary prompt as system and returns the text."""
         anthropic_srv.reply(body=anthropic_message(text="A short summary."))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from core.budget import ContextBudget
 from core.build import build, open_prefix
@@ -127,3 +128,38 @@ def test_a_budget_window_lowers_the_route_s_never_raises_it() -> None:
     assert open_.context_budget(small.profile()).context_window == 4_096
     over = open_.model_copy(update={"model_route": small})
     assert over.context_budget().input_limit == 4_096 - 500
+
+
+@pytest.mark.parametrize("written", [100_000.0, "100000", 100_000])
+def test_a_budget_window_written_as_a_float_or_a_string_never_raises_the_route_s(written: object) -> None:
+    """The override is read as `ContextBudget` reads it (a float without a fraction, a numeric string) before the
+    smaller of the two is taken: `100000.0` over an 8,000-token route is 8,000, not a window the model does not
+    have (before, only an `int` was lowered and every request over 8,000 tokens was refused by the provider)."""
+    from contract.payloads import SessionOpen
+
+    route = {"provider": "openai", "model": "m", "context_window": 8_000}
+    budget = {"context_window": written, "output_reserve": 1_000}
+    open_ = SessionOpen.model_validate({"agent_instructions": "x", "model_route": route, "budget": budget})
+    assert open_.context_budget().context_window == 8_000
+
+
+@pytest.mark.parametrize("written", ["1e5", 1.5, "a lot"])
+def test_a_budget_window_that_is_not_an_integer_is_refused_naming_the_field(written: object) -> None:
+    from contract.payloads import SessionOpen
+
+    route = {"provider": "openai", "model": "m", "context_window": 8_000}
+    with pytest.raises(ValidationError, match=r"budget\.context_window"):
+        SessionOpen.model_validate(
+            {"agent_instructions": "x", "model_route": route, "budget": {"context_window": written}}
+        )
+
+
+def test_an_output_reserve_of_zero_is_refused_at_the_door_and_kept_when_stored() -> None:
+    """A reserve of 0 would be sent as `max_tokens: 0`, which providers refuse on every turn: refused at open,
+    naming the field. An open stored before this check reads back as it was."""
+    from contract.payloads import STORED, SessionOpen
+
+    raw = {"agent_instructions": "x", "budget": {"output_reserve": 0}}
+    with pytest.raises(ValidationError, match=r"budget\.output_reserve: must be at least 1"):
+        SessionOpen.model_validate(raw)
+    assert SessionOpen.model_validate(raw, context=STORED).context_budget().output_reserve == 0
