@@ -259,7 +259,9 @@ def prompt_elements(received: Received) -> list[Element]:
         for raw in array_items(members.get("messages", b"[]")):
             msg = json.loads(raw)
             calls = msg.get("tool_calls") or []
-            text = (msg.get("content") or "") + "".join(json.dumps(c.get("function", {})) for c in calls)
+            # A call is read as the model wrote it: its name and its arguments' text (a JSON string on the wire,
+            # decoded once), not that text escaped again.
+            text = (msg.get("content") or "") + "".join(_call_text(c.get("function", {})) for c in calls)
             out.append(
                 Element(
                     msg.get("role", "user"),
@@ -285,14 +287,22 @@ def prompt_elements(received: Received) -> list[Element]:
             raw = json.dumps(block, sort_keys=True).encode()
             kind = block.get("type")
             if kind == "tool_use":
-                text = json.dumps(block.get("input", {}))
+                text = json.dumps(block.get("input", {}), ensure_ascii=False)
             elif kind == "tool_result":
                 inner = block.get("content", "")
-                text = inner if isinstance(inner, str) else json.dumps(inner)
+                text = inner if isinstance(inner, str) else json.dumps(inner, ensure_ascii=False)
             else:
                 text = block.get("text", "")
             out.append(_anthropic_element(message.get("role", "user"), raw, block, text))
     return out
+
+
+def _call_text(function: Any) -> str:
+    """An OpenAI tool call's function as a model reads it: its name, then its arguments as written."""
+    if not isinstance(function, dict):
+        return json.dumps(function, ensure_ascii=False)
+    arguments = function.get("arguments", "")
+    return str(function.get("name", "")) + (arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
 def _anthropic_element(role: str, raw: bytes, block: Any, text: str) -> Element:

@@ -395,6 +395,19 @@ class TestOpenAIWire:
         envelope = parse_envelopes(tool["content"])[0]
         assert envelope.trust == "EXTERNAL_UNTRUSTED" and envelope.content == INJECTION
 
+    async def test_the_server_reads_a_tool_call_as_the_model_wrote_it(self, openai_srv: FakeServer) -> None:
+        """The protocol server counts a call as its name and its arguments' text, decoded once from the wire: not
+        that text escaped again, where 1,800 CJK characters counted 7,219 tokens against their 1,205."""
+        session = Session(openai_provider(openai_srv), "openai")
+        await drive(session, openai_tool_call(openai_srv))
+        received = openai_srv.requests[-1]
+        saved = next(
+            c for m in received.body["messages"] for c in m.get("tool_calls", []) if c["id"] == "call_save_1"
+        )
+        element = next(e for e in prompt_elements(received) if e.tool_use_id == "call_save_1")
+        assert element.text == "notes__save" + saved["function"]["arguments"]
+        assert "Ålesund" in element.text and "\\u" not in element.text
+
     async def test_usage_maps_prompt_and_cached_tokens(self, openai_srv: FakeServer) -> None:
         """prompt_tokens is input, prompt_tokens_details.cached_tokens is cached."""
         openai_srv.reply(body=openai_completion(prompt_tokens=2_000, cached_tokens=1_536, completion_tokens=7))
