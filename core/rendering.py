@@ -54,7 +54,7 @@ __all__ = [
 NONCE_HEX_CHARS = 24
 """Length of a nonce made by :func:`derive_nonce` (96 bits of HMAC-SHA256)."""
 
-ESCAPING_RULES_VERSION = "fidelity-4"
+ESCAPING_RULES_VERSION = "fidelity-5"
 """Version tag of the escaping rules, hashed into :data:`ESCAPING_FINGERPRINT`. Bump it whenever the rules
 change what :func:`escape_content` emits, so the prefix epoch rotates on upgrade."""
 
@@ -301,10 +301,12 @@ _CHAT_TAGS = (
     "think",
     "im_start",
     "im_end",
+    "tools",
+    "invoke",
 )
 """Chat-template tags written with one ``<`` (``<s>``, ``</s>``, Gemma's ``<start_of_turn>``, Hermes and
-Qwen's ``<tool_call>`` / ``<tool_response>``, role tags): their opening ``<`` is escaped. ``<|...|>`` tokens
-and ``<<SYS>>`` are covered by the ``<|`` and ``<<`` rules."""
+Qwen's ``<tool_call>`` / ``<tool_response>`` and ``<tools>``, the ``<invoke>`` of XML tool calls, role tags): their
+opening ``<`` is escaped. ``<|...|>`` tokens and ``<<SYS>>`` are covered by the ``<|`` and ``<<`` rules."""
 
 _BAR_NAME_RE = re.compile(r"VERTICAL (?:LINE|BAR)|DIVIDES")
 """Names of vertical-bar look-alikes: ``<`` before one of them opens a ``<|...|>`` token (DeepSeek writes
@@ -360,6 +362,10 @@ def _build_tables() -> _Tables:
     for letter in "abcdefghijklmnopqrstuvwxyz":
         members = {letter, letter.upper()} | folds.get(letter, set())
         members |= graph.get(letter, set()) | graph.get(letter.upper(), set())
+        # The table links each look-alike to one ASCII prototype: `І` (Cyrillic) and `I` both to `l`. So the letter
+        # takes the other letters' look-alikes through its ASCII twins too (`I` -> `l` -> `І`), not ASCII ones.
+        for twin in [ch for ch in members if ch.isascii() and ch.isalpha() and ch.lower() != letter]:
+            members |= {ch for ch in graph.get(twin, set()) if not ch.isascii()}
         letters[letter] = frozenset(members - dangerous)
     return _Tables(
         dangerous,
@@ -426,33 +432,69 @@ def _word(word: str, *, fast: bool = False) -> str:
 
 _ESC = r"\\u\{[0-9A-F]{1,6}\}"
 _HSPACE = r"[^\S\n]"
-# Possessive runs: blanks, `*`/`_` and colons are disjoint sets, so the match is the same as with backtracking
-# runs, but a role word before a long run of blanks costs one pass, not a search over every split of the run.
-_COLON_AHEAD = rf"{_HSPACE}*+[*_]*+{_HSPACE}*+(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
+# Combining marks a marker's letters may carry (`System\u0332:` reads as `System:`): those no letter class holds, so
+# a possessive run of them after a letter never takes the next letter.
+_WORD_MARKS = _char_class(_MARKS.difference(*_LETTER_LOOKALIKES.values()))
+_MARKS_RUN = _WORD_MARKS + "*+"
+# Blanks, then `*`/`_`, then blanks, between a role word and its colon, combining marks anywhere among them. Possessive
+# runs: blanks, `*`/`_` and colons are disjoint sets (marks may join any run, the first that meets them takes them),
+# so a role word before a long run of blanks costs one pass, not a search over every split of the run.
+_COLON_AHEAD = (
+    rf"(?:{_HSPACE}|{_WORD_MARKS})*+(?:[*_]|{_WORD_MARKS})*+(?:{_HSPACE}|{_WORD_MARKS})*+"
+    rf"(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
+)
+
+
+def _spelled(word: str, *, fast: bool) -> str:
+    """Return a pattern matching ``word`` (letters and ``_``) case-insensitively, letter look-alikes included, each
+    letter followed by any run of combining marks."""
+    return "".join(_letter(ch, fast=fast) + _MARKS_RUN if "a" <= ch <= "z" else re.escape(ch) for ch in word)
 
 
 def _role_first(*, fast: bool) -> str:
-    """Return a pattern matching the first character of a role word followed by the rest and a colon."""
-    return "|".join(f"{_letter(w[0], fast=fast)}(?={_word(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS)
+    """Return a pattern matching the first character of a role word followed by the rest and a colon (combining
+    marks allowed after each letter)."""
+    return "|".join(
+        f"{_letter(w[0], fast=fast)}(?={_MARKS_RUN}{_spelled(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS
+    )
 
 
-# A role word opens a line (after any run of blanks, markdown markers, quote markers or made-visible
-# invisibles) and is followed by a colon (an escaped colon look-alike, or a colon-like character escaping keeps:
-# `_COLON_LIKE`); its first character is escaped.
-# The run is possessive (no letter can start it), so a long run of '>' or blanks costs one pass, not a
-# backtracking search.
-_ROLE_BODY = rf"(?P<pre>(?:{_HSPACE}|[#*_=~>-]|{_ESC})*+)(?P<first>{_role_first(fast=True)})"
+# A role word opens a line (after any run of blanks, markdown markers (`#*_=~-+`, a bullet `•`, a numbered item's
+# `1.` or `1)`), quote markers (`>`, `"`), table bars, combining marks or made-visible invisibles) and is followed
+# by a colon (an escaped colon look-alike, or a colon-like character escaping keeps: `_COLON_LIKE`); its first
+# character is escaped. The run is possessive (no letter can start it; a digit run is taken only with its `.` or
+# `)`), so a long run of '>' or blanks costs one pass, not a backtracking search.
+_ROLE_BODY = (
+    rf"(?P<pre>(?:{_HSPACE}|[#*_=~>+|\"\u2022-]|[0-9]++[.)]|{_ESC}|{_WORD_MARKS})*+)"
+    rf"(?P<first>{_role_first(fast=True)})"
+)
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)
 _ROLE_AFTER_NEWLINE_RE = re.compile("\n" + _ROLE_BODY)  # a literal first char lets re skip to newlines
 _ROLE_EXACT_RE = re.compile(_role_first(fast=False))
 _BRACKET_TAG_RE = re.compile(rf"\[(?=/?(?:{'|'.join(_BRACKET_TAGS)})\])", re.IGNORECASE)
+# The same markers spelled with letter look-alikes or combining marks (`[ІNST]`, Cyrillic I), in text that is not
+# ASCII: the fast pattern finds candidates, the exact one confirms them (as for role words).
+_BRACKET_LOOKALIKE_RE = re.compile(
+    rf"\[(?=/?{_MARKS_RUN}(?:{'|'.join(_spelled(t.lower(), fast=True) for t in _BRACKET_TAGS)})\])"
+)
+_BRACKET_EXACT_RE = re.compile(
+    rf"/?{_MARKS_RUN}(?:{'|'.join(_spelled(t.lower(), fast=False) for t in _BRACKET_TAGS)})\]"
+)
 _CTX_COLON_RE = re.compile(rf":(?<={_word('ctx')}:)")
+# `ctx:` with combining marks on its letters (`c\u0301tx:`), in text that is not ASCII: a lookbehind cannot take the
+# marks' runs, so the word is matched forwards and only the colon is escaped.
+_CTX_MARKED_COLON_RE = re.compile(rf"({_spelled('ctx', fast=False)}):")
 # A '<' is escaped when it starts a '<<' run (an envelope marker, '<<SYS>>', a shift), a '<|...|>' token
 # (any bar look-alike), or a chat-template tag such as '<s>', '</s>', '<start_of_turn>' or '<tool_call>'.
 _ANGLE_RE = re.compile(
     rf"<(?=<|{_char_class(_BARS)}|/?(?:{'|'.join(_CHAT_TAGS)})(?=[\s/>=]))",
     re.IGNORECASE,
 )
+# Chat tags spelled with letter look-alikes or combining marks (`<ѕystem>`, Cyrillic s), in text that is not ASCII.
+_TAG_LOOKALIKE_RE = re.compile(
+    rf"<(?=/?{_MARKS_RUN}(?:{'|'.join(_spelled(t, fast=True) for t in _CHAT_TAGS)})(?=[\s/>=]))"
+)
+_TAG_EXACT_RE = re.compile(rf"/?{_MARKS_RUN}(?:{'|'.join(_spelled(t, fast=False) for t in _CHAT_TAGS)})(?=[\s/>=])")
 # Combining marks right after `<` or `>`: NFC composes U+0338 with them into `≮` and `≯`, and a mark between
 # `<` and `|` hides the `<|` rule from it while a reader still sees the token.
 _MARKS_AFTER_ANGLE_RE = re.compile(rf"(?<=[<>]){_char_class(_MARKS)}+")
@@ -490,6 +532,22 @@ def _escape_char(ch: str) -> str:
 
 def _escape_match(match: re.Match[str]) -> str:
     return _escape_char(match.group())
+
+
+def _lookalike_tags(text: str) -> list[int]:
+    """Positions of the ``<`` and ``[`` that open a chat tag or a bracket marker spelled with letter look-alikes
+    or combining marks (the ASCII spellings included)."""
+    at = [m.start() for m in _TAG_LOOKALIKE_RE.finditer(text) if _TAG_EXACT_RE.match(text, m.end())]
+    at += [m.start() for m in _BRACKET_LOOKALIKE_RE.finditer(text) if _BRACKET_EXACT_RE.match(text, m.end())]
+    return at
+
+
+def _escape_at(text: str, at: Iterable[int]) -> str:
+    """``text`` with the characters at positions ``at`` escaped."""
+    chars = list(text)
+    for k in set(at):
+        chars[k] = _escape_char(chars[k])
+    return "".join(chars)
 
 
 def _escape_role(match: re.Match[str]) -> str:
@@ -551,16 +609,14 @@ def _compat_line(line: str) -> str:
     at: set[int] = set()
     at.update(m.start() for m in _ANGLE_RE.finditer(view))
     at.update(m.start() for m in _BRACKET_TAG_RE.finditer(view))
+    at.update(_lookalike_tags(view))
     at.update(m.start() for m in _CTX_COLON_RE.finditer(view))
     role = _ROLE_AT_START_RE.match(view)
     if role is not None and _ROLE_EXACT_RE.match(view, role.start("first")):
         at.add(role.start("first"))
     if not at:
         return line
-    chars = list(line)
-    for k in {bisect.bisect_right(starts, v) - 1 for v in at}:
-        chars[k] = _escape_char(chars[k])
-    return "".join(chars)
+    return _escape_at(line, {bisect.bisect_right(starts, v) - 1 for v in at})
 
 
 def _escape_markers(out: str) -> str:
@@ -572,8 +628,12 @@ def _escape_markers(out: str) -> str:
         out = _ANGLE_RE.sub(r"\\u{3C}", out)
     if "[" in out:
         out = _BRACKET_TAG_RE.sub(r"\\u{5B}", out)
+    if not out.isascii() and ("<" in out or "[" in out) and (at := _lookalike_tags(out)):
+        out = _escape_at(out, at)
     if ":" in out:
         out = _CTX_COLON_RE.sub(r"\\u{3A}", out)
+        if not out.isascii() and not _MARKS.isdisjoint(out):
+            out = _CTX_MARKED_COLON_RE.sub(r"\1\\u{3A}", out)
     # Before the role passes: an escape this writes at a line's start (`\u{3C}`) is part of the run a role word
     # may follow, so the role passes must see it.
     if not out.isascii() and not _COMPAT_SET.isdisjoint(out):
@@ -593,8 +653,9 @@ def escape_content(text: str) -> str:
     ``:`` and ``\\``, invisible and control characters, a carriage return not followed by a line feed, lone
     surrogates); a ``<`` followed by ``<``, by a vertical bar or look-alike (``<|im_start|>``, ``<｜``), or
     opening a chat tag (``<s>``, ``</s>``, ``<start_of_turn>``, ``<tool_call>`` ...); the ``[`` of
-    ``[INST]``-style markers; the ``:`` of ``ctx:`` (any case or look-alike letters); the first character
-    of a line-opening role marker (``System:``); a combining mark right after ``<`` or ``>``; the first character
+    ``[INST]``-style markers; the ``:`` of ``ctx:``; the first character of a line-opening role marker
+    (``System:``, ``1. User:``); those markers in any case, with letter look-alikes (``[ІNST]``, Cyrillic ``І``) and
+    combining marks on their letters; a combining mark right after ``<`` or ``>``; the first character
     of any of those markers that only the NFKC form spells (``<ｓｙｓｔｅｍ>``, ``Syﬆem:``). Other ``<`` and ``>``
     stay. A run of literal backslashes is doubled only where ``u{`` or an escape follows it in the output; every
     other backslash stays single.

@@ -401,9 +401,7 @@ class TestOpenAIWire:
         session = Session(openai_provider(openai_srv), "openai")
         await drive(session, openai_tool_call(openai_srv))
         received = openai_srv.requests[-1]
-        saved = next(
-            c for m in received.body["messages"] for c in m.get("tool_calls", []) if c["id"] == "call_save_1"
-        )
+        saved = next(c for m in received.body["messages"] for c in m.get("tool_calls", []) if c["id"] == "call_save_1")
         element = next(e for e in prompt_elements(received) if e.tool_use_id == "call_save_1")
         assert element.text == "notes__save" + saved["function"]["arguments"]
         assert "Ålesund" in element.text and "\\u" not in element.text
