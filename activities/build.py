@@ -60,9 +60,7 @@ class BuildActivities(BuildCalls):
         # logged with the request in one write, so a message that cannot fit is refused with nothing appended.
         message: list[dict[str, Any]] = []
         if inp.user_text is not None:
-            await seal_orphans(
-                state, inp.session_id, inp.turn - 1, "an earlier turn failed before this call ran", cache=cache
-            )
+            await seal_orphans(state, inp.session_id, inp.turn - 1, "its turn failed first", cache=cache)
             user_item_id = f"u:{inp.update_id or inp.turn}"
             if user_item_id not in cache.by_id:
                 message = [

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import traceback
-from datetime import timedelta
-from typing import Any
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
 
 import asyncpg
 import pydantic
@@ -33,8 +35,15 @@ from temporalio.worker import (
     Interceptor,
 )
 
-from contract.retries import INVALID_DATA, PROGRAMMING_ERROR
+from contract.retries import (
+    INITIAL_INTERVAL_S,
+    INVALID_DATA,
+    MAXIMUM_INTERVAL_S,
+    PROGRAMMING_ERROR,
+    STORE_OUTAGE_WAIT_S,
+)
 
+T = TypeVar("T")
 log = structlog.get_logger("ctxengine.activities")
 MAX_MESSAGE_CHARS = 600
 # SQLSTATE classes that a retry can outlive: connection, transaction rollback (serialization, deadlock),
@@ -53,6 +62,37 @@ def transient(exc: BaseException) -> bool:
     if isinstance(exc, asyncpg.PostgresError):
         return str(getattr(exc, "sqlstate", "") or "")[:2] in _TRANSIENT_SQLSTATE
     return isinstance(exc, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | TimeoutError | ConnectionError)
+
+
+async def store_waiting(op: Callable[[], Awaitable[T]]) -> T:
+    """`op()`, a read or write of the store, tried again while PostgreSQL is unreachable or restarting
+    (`transient`): 0.2 s, doubling, at most 2 s apart, for as long as the other activities' retries wait out an
+    outage (`STORE_OUTAGE_WAIT_S`) and this attempt has time left. For what an attempt must not throw away or do
+    twice for a database blink: a model call's provider call and its reply, a tool's run and its result (the
+    writes are idempotent: a retry of one that did commit finds it done). The interceptor heartbeats meanwhile."""
+    info = activity.info()
+    left = STORE_OUTAGE_WAIT_S
+    if info.start_to_close_timeout is not None:
+        ends = info.started_time + info.start_to_close_timeout
+        left = min(left, (ends - datetime.now(UTC)).total_seconds() - 1.0)
+    deadline = time.monotonic() + left
+    delay = INITIAL_INTERVAL_S
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not transient(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning(
+                "store.waiting",
+                activity=info.activity_type,
+                workflow_id=info.workflow_id,
+                attempt=info.attempt,
+                error=f"{type(exc).__name__}: {exc}",
+                retry_in_s=delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAXIMUM_INTERVAL_S)
 
 
 def classify(exc: BaseException) -> ApplicationError:

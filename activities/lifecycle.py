@@ -187,7 +187,9 @@ class LifecycleActivities(SessionLifecycleCalls):
     @activity.defn(name=names.ACTIVITY_SEAL_TURN)
     async def seal_turn(self, inp: SealTurnInput) -> int:
         """A failed turn: its unanswered tool calls get error results (the pair stays atomic)."""
-        return await seal_orphans(self.state, inp.session_id, inp.turn, f"turn {inp.turn} failed ({inp.reason})")
+        return await seal_orphans(
+            self.state, inp.session_id, inp.turn, f"its turn ({inp.turn}) failed first ({inp.reason})"
+        )
 
     @activity.defn(name=names.ACTIVITY_CLOSE)
     async def close_session(self, inp: CloseInput) -> None:
@@ -243,7 +245,7 @@ async def seal_orphans(
                     "trust": TrustLevel.TOOL.value,
                     "call_id": call.call_id,
                     "tool_name": call.tool_name,
-                    "content": f"error: not run: {reason}",
+                    "content": f"error: no result was logged for this call (the tool may have run): {reason}",
                     "is_error": True,
                     "artifact_ref": None,
                 }

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
-from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.failures import transient
+from activities.failures import store_waiting
 from activities.provider import ProviderRequest
 from activities.rows import RequestRecord
 from activities.session_state import SessionState, calibrated, provider_segment
@@ -28,13 +26,7 @@ from contract import names
 from contract.activity_interfaces import ModelCalls
 from contract.events import EventType
 from contract.payloads import ModelInput, ModelResult, ToolCallRequest
-from contract.retries import (
-    CONTEXT_LENGTH_EXCEEDED,
-    CONTEXT_WINDOW_MISMATCH,
-    INITIAL_INTERVAL_S,
-    MAXIMUM_INTERVAL_S,
-    STORE_OUTAGE_WAIT_S,
-)
+from contract.retries import CONTEXT_LENGTH_EXCEEDED, CONTEXT_WINDOW_MISMATCH
 from core.estimator import ModelProfile, calibration_target, reconcile
 from core.explain import first_wire_difference
 from core.items import AssistantMessage, HistoryItem, ToolCall, ToolResult, TrustLevel
@@ -56,10 +48,10 @@ class ModelCallActivities(ModelCalls):
     async def call_model(self, inp: ModelInput) -> ModelResult:
         """Send the stored request through the provider port, append the reply, record usage, reconcile.
 
-        Every read and write of the store waits out a database outage within the attempt (`_store_waiting`)."""
+        Every read and write of the store waits out a database outage within the attempt (`store_waiting`)."""
         state, store = self.state, self.state.store
         # One read: the session, the request's record, the log since this worker's memo, the calibrations.
-        open_, cache, reads = await _store_waiting(
+        open_, cache, reads = await store_waiting(
             lambda: state.call_reads(
                 inp.session_id,
                 inp.turn,
@@ -76,7 +68,7 @@ class ModelCallActivities(ModelCalls):
                 type="UnknownRequest",
                 non_retryable=True,
             )
-        prefix, epoch_profile = await _store_waiting(lambda: state.prefix(inp.session_id, inp.epoch, cache))
+        prefix, epoch_profile = await store_waiting(lambda: state.prefix(inp.session_id, inp.epoch, cache))
         base = f"t{inp.turn}.m{inp.call_index}."
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if logged and record.actual_input_tokens is not None:
@@ -95,7 +87,7 @@ class ModelCallActivities(ModelCalls):
         else:  # built on another worker: its body came with the read, the items it refers to are in the memo
             body = cache.resolved(inp.session_id, reads.request.body) if reads.request is not None else None
             if body is None:  # not read, or naming items the memo does not hold: read it whole
-                stored = await _store_waiting(lambda: store.get_request(inp.request_sha256))
+                stored = await store_waiting(lambda: store.get_request(inp.request_sha256))
                 if stored is None:
                     raise ApplicationError(
                         f"no stored body for request {inp.request_sha256}", type="UnknownRequest", non_retryable=True
@@ -123,7 +115,7 @@ class ModelCallActivities(ModelCalls):
             max_output_tokens=open_.context_budget(epoch_profile).output_reserve,
         )
         if activity.info().attempt > 1:  # an earlier attempt's refusal, stored before its worker died: not again
-            refused = await _store_waiting(lambda: store.event_payload(inp.session_id, refusal_key(inp)))
+            refused = await store_waiting(lambda: store.event_payload(inp.session_id, refusal_key(inp)))
             if refused is not None:
                 cache.refused(inp.request_sha256)
                 raise ApplicationError(
@@ -141,11 +133,11 @@ class ModelCallActivities(ModelCalls):
                 if mismatch is not None:
                     raise mismatch from exc  # not an estimate too low: learning from it would inflate the route
                 refusal, profile = exc, calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
-                await _store_waiting(lambda: self._learn_refusal(inp, record, profile, refusal))
+                await store_waiting(lambda: self._learn_refusal(inp, record, profile, refusal))
                 cache.refused(inp.request_sha256)
             raise
         if (wire := reply.wire_prefix) is not None:
-            await _store_waiting(lambda: self._record_wire_prefix(inp, wire))
+            await store_waiting(lambda: self._record_wire_prefix(inp, wire))
         # The outcome: usage (the first attempt's figures win), the estimator's reconciliation and its event.
         usage = reply.usage
         profile = calibrated(epoch_profile, reads.calibration, reads.provider_calibration)
@@ -211,7 +203,7 @@ class ModelCallActivities(ModelCalls):
         # One write: usage, reconciliation and its event, and the reply's items as one group (logged after the
         # request was built: its inputs name that position), all or none of them.
         renders = state.render_for_log(new_items, cache)
-        recorded, added, seqs = await _store_waiting(
+        recorded, added, seqs = await store_waiting(
             lambda: store.record_outcome(
                 inp.session_id,
                 inp.turn,
@@ -238,10 +230,10 @@ class ModelCallActivities(ModelCalls):
         state.joined(new_items, seqs, renders, cache)
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if not logged:  # logged out of the memo's order (another attempt's reply): read the log
-            log = await _store_waiting(lambda: state.items(inp.session_id, cache))
+            log = await store_waiting(lambda: state.items(inp.session_id, cache))
             logged = [log[k] for k, item_id in enumerate(cache.items.ids) if item_id.startswith(base)]
         if not recorded:  # an earlier attempt recorded its usage first: its figures are the truth
-            first = await _store_waiting(lambda: store.get_record(inp.session_id, inp.turn, inp.call_index))
+            first = await store_waiting(lambda: store.get_record(inp.session_id, inp.turn, inp.call_index))
             assert first is not None and first.actual_input_tokens is not None
             return _model_result(
                 logged,
@@ -354,37 +346,6 @@ def window_mismatch(exc: ApplicationError, estimated: int, window: int, route: s
         type=CONTEXT_WINDOW_MISMATCH,
         non_retryable=True,
     )
-
-
-async def _store_waiting(op: Callable[[], Awaitable[T]]) -> T:
-    """`op()`, a read or write of the store, tried again while PostgreSQL is unreachable or restarting
-    (`failures.transient`): 0.2 s, doubling, at most 2 s apart, for as long as the other activities' retries wait
-    out an outage (`STORE_OUTAGE_WAIT_S`) and this attempt has time left. A model call's attempts are few and
-    each may cost a provider call: a database blink must not spend one, nor throw away a reply received (the
-    writes are idempotent: a retry of one that did commit finds it done). The interceptor heartbeats meanwhile."""
-    info = activity.info()
-    left = STORE_OUTAGE_WAIT_S
-    if info.start_to_close_timeout is not None:
-        ends = info.started_time + info.start_to_close_timeout
-        left = min(left, (ends - datetime.now(UTC)).total_seconds() - 1.0)
-    deadline = time.monotonic() + left
-    delay = INITIAL_INTERVAL_S
-    while True:
-        try:
-            return await op()
-        except Exception as exc:
-            if not transient(exc) or time.monotonic() + delay > deadline:
-                raise
-            log.warning(
-                "store.waiting",
-                activity=info.activity_type,
-                workflow_id=info.workflow_id,
-                attempt=info.attempt,
-                error=f"{type(exc).__name__}: {exc}",
-                retry_in_s=delay,
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, MAXIMUM_INTERVAL_S)
 
 
 async def within_attempt(work: Awaitable[T], *, spent_s: float = 0.0) -> T:

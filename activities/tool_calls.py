@@ -7,6 +7,7 @@ taint; the harness's taint fault overrides it (harness/faults.py).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import jsonschema
 import structlog
 from temporalio import activity
 
+from activities.failures import store_waiting
 from activities.minimum_body import working_state_cap
 from activities.session_state import SessionState, working_state
 from activities.tools import EXECUTORS, Executor
@@ -35,12 +37,16 @@ log = structlog.get_logger("ctxengine.activities")
 ARTIFACT_THRESHOLD = 0
 # What a tool run comes to: the result's content, its trust level, whether it is an error, its artifact.
 _Outcome = tuple[str, TrustLevel, bool, str | None]
+# Tool runs a worker keeps until their results are logged: a retry of the activity on the same worker (its attempt
+# ran out of time waiting for PostgreSQL to come back) logs the run's outcome instead of running the tool again.
+UNLOGGED_RUNS_KEPT = 1_024
 
 
 class ToolCallActivities(ToolCalls):
     def __init__(self, state: SessionState, executors: Mapping[str, Executor] | None = None) -> None:
         self.state = state
         self.executors = EXECUTORS if executors is None else executors
+        self.unlogged: OrderedDict[str, _Outcome] = OrderedDict()  # result id -> its run's outcome, not logged yet
 
     def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
         """Whether a control-tool write is tainted: its call was, or untrusted content entered the turn's log
@@ -50,7 +56,12 @@ class ToolCallActivities(ToolCalls):
 
     @activity.defn(name=names.ACTIVITY_TOOL)
     async def execute_tool(self, inp: ToolInput) -> ToolResultSummary:
-        """Run one authorised call (or record its denial) and append the result as the pair's second half."""
+        """Run one authorised call (or record its denial) and append the result as the pair's second half.
+
+        Everything the run needs from the store is read before the tool runs; after it, every write waits out a
+        database outage within the attempt (`store_waiting`), and a retry on this worker logs the outcome of a run
+        whose result was not logged instead of running the tool again: a database blink never runs a tool twice
+        (docs/reliability.md)."""
         state = self.state
         open_, _, cache = await state.session(inp.session_id)
         result_id = f"{inp.call.item_id}.result"
@@ -58,34 +69,38 @@ class ToolCallActivities(ToolCalls):
         done = cache.item(result_id)
         ws_text: str | None = None
         if isinstance(done, ToolResult):
+            self.unlogged.pop(result_id, None)
             return _summary(done, state.counter("cl100k_base").count(done.content), None)
         call_item = cache.item(inp.call.item_id)
         # A result inherits its call's taint: a tool can store and return text the model chose (notes.save).
         tainted = call_item.tainted if call_item is not None else True
-        # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
-        content, trust, is_error, artifact = await self._run_tool(inp, open_, cache.this_turn(), tainted=tainted)
+        outcome = self.unlogged.get(result_id)
+        if outcome is None:
+            # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
+            outcome = await self._run_tool(inp, open_, cache.this_turn(), tainted=tainted)
+            self.unlogged[result_id] = outcome
+            while len(self.unlogged) > UNLOGGED_RUNS_KEPT:
+                self.unlogged.popitem(last=False)
+        content, trust, is_error, artifact = outcome
         if inp.call.name == CONTROL_TOOL_NAME and not is_error:
-            writes = await state.store.working_state_writes(inp.session_id)
+            writes = await store_waiting(lambda: state.store.working_state_writes(inp.session_id))
             ws_text = render(working_state(writes, state.counter("cl100k_base").count, inp.turn + 1))
-        await state.append(
-            inp.session_id,
-            inp.turn,
-            [
-                {
-                    "id": result_id,
-                    "kind": "tool_result",
-                    "trust": trust.value,
-                    "tainted": tainted,
-                    "call_id": inp.call.call_id,
-                    "tool_name": inp.call.name,
-                    "content": content,
-                    "is_error": is_error,
-                    "artifact_ref": artifact,
-                }
-            ],
-            cache,
+        entry = {
+            "id": result_id,
+            "kind": "tool_result",
+            "trust": trust.value,
+            "tainted": tainted,
+            "call_id": inp.call.call_id,
+            "tool_name": inp.call.name,
+            "content": content,
+            "is_error": is_error,
+            "artifact_ref": artifact,
+        }
+        await store_waiting(lambda: state.append(inp.session_id, inp.turn, [entry], cache))
+        self.unlogged.pop(result_id, None)
+        stored = cache.item(result_id) or next(
+            i for i in await store_waiting(lambda: state.items(inp.session_id, cache)) if i.id == result_id
         )
-        stored = cache.item(result_id) or next(i for i in await state.items(inp.session_id, cache) if i.id == result_id)
         assert isinstance(stored, ToolResult)
         return _summary(stored, state.counter("cl100k_base").count(stored.content), ws_text)
 
@@ -131,6 +146,7 @@ class ToolCallActivities(ToolCalls):
                 True,
                 None,
             )
+        limit = await self._result_limit(inp, open_)  # read before the tool runs: after it, only writes
         try:
             out = await executor(inp.call.arguments)
         except Exception as exc:
@@ -140,22 +156,27 @@ class ToolCallActivities(ToolCalls):
         try:
             trust = result_trust(inp.call.name, claimed=out.trust, ceiling=TrustLevel(spec.max_trust))
         except ToolTrustCeilingError as exc:
-            await self.state.event(
-                inp.session_id,
-                f"trust_refused:{inp.call.item_id}",
-                EventType.TOOL_TRUST_REFUSED,
-                inp.turn,
-                inp.epoch,
-                {"tool": exc.tool, "claimed": exc.claimed, "ceiling": exc.ceiling, "call": inp.call.item_id},
+            refused = {"tool": exc.tool, "claimed": exc.claimed, "ceiling": exc.ceiling, "call": inp.call.item_id}
+            await store_waiting(
+                lambda: self.state.event(
+                    inp.session_id,
+                    f"trust_refused:{inp.call.item_id}",
+                    EventType.TOOL_TRUST_REFUSED,
+                    inp.turn,
+                    inp.epoch,
+                    refused,
+                )
             )
             return f"error: {exc}", TrustLevel.TOOL, True, None
         content, artifact = out.content, None
-        limit = await self._result_limit(inp, open_)
         count = self.state.counter("cl100k_base").count
         # Measured as rendered: escaping (markup above all) can double a page's token count.
         rendered_tokens = count(escape_content(content))
         if rendered_tokens > limit or (trust is TrustLevel.EXTERNAL_UNTRUSTED and len(content) > ARTIFACT_THRESHOLD):
-            artifact = "artifact:" + await self.state.store.put_artifact(inp.session_id, content, trust=trust.value)
+            whole = content
+            artifact = "artifact:" + await store_waiting(
+                lambda: self.state.store.put_artifact(inp.session_id, whole, trust=trust.value)
+            )
         if rendered_tokens > limit:
             # An active pair never yields, so a result that could never fit is cut here, at write time: the
             # head stays (same trust level), the whole is one reference away.

@@ -15,9 +15,10 @@ MODEL_MAX_ATTEMPTS = 4
 # Sealing a failed turn (error results for its unanswered calls): the turn has failed already, and the next
 # turn's build seals what this cannot, so a database outage adds ~0.6 s to the failure, not another ~75 s.
 SEAL_MAX_ATTEMPTS = 3
-# So a model call spends no attempt on a database outage: within one attempt it waits for PostgreSQL, before the
-# provider call and after the reply (which is then stored, not thrown away), as long as the other activities'
-# 40 attempts do (~75 s) and its attempt has time left (activities/model_call.py).
+# So a model call spends no attempt on a database outage, and neither a model call nor a tool throws away what it
+# got: within one attempt it waits for PostgreSQL (before the provider call and after the reply, which is then
+# stored; after a tool's run, whose result is then logged), as long as the other activities' 40 attempts do (~75 s)
+# and its attempt has time left (activities/failures.py: store_waiting).
 STORE_OUTAGE_WAIT_S = 75.0
 INITIAL_INTERVAL_S = 0.2
 MAXIMUM_INTERVAL_S = 2.0

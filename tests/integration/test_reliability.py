@@ -27,8 +27,10 @@ from temporalio.client import Client, WorkflowHandle
 
 from activities.provider import ProviderReply, ProviderRequest, ScriptedProvider
 from activities.store import Store
+from activities.tools import EXECUTORS, ToolOutput
 from contract import names
 from contract.payloads import ActivityTimeouts, SessionState, TurnResult
+from core.items import TrustLevel
 from harness.worker_process import WorkerProcess, worker_process
 from services.embedded import EmbeddedPostgres, dsn_with_database
 from tests.integration.session_helpers import session_open, stack, start, turn
@@ -361,6 +363,59 @@ async def test_postgres_restart_during_a_model_call(
             prefix = await assert_log(store, handle.id, expected_items(1, "turn-1", 0) + expected_items(2, "turn-2", 0))
             assert {before.prefix_sha256, during.prefix_sha256} == {prefix}
             await assert_state(handle, turns=2, requests=2, prefix=prefix)
+
+
+class _OutageTool:
+    """`clock.wait`'s stand-in: counts its runs and stops PostgreSQL while it runs (the first time), so the writes
+    after it meet the outage."""
+
+    def __init__(self, server: EmbeddedPostgres) -> None:
+        self.server = server
+        self.runs = 0
+
+    async def __call__(self, args: dict[str, Any]) -> ToolOutput:
+        self.runs += 1
+        if self.runs == 1:
+            await self.server.stop()
+        return ToolOutput(content=f"waited, run {self.runs}", trust=TrustLevel.TOOL)
+
+
+@pytest.mark.parametrize(
+    ("outage_s", "tool_seconds", "attempts"),
+    [(3, 15, "one"), (7, 4, "several")],  # within the tool's attempt; longer than it
+)
+async def test_postgres_restart_during_a_tool_runs_it_once(
+    temporal_client: Client,
+    pg_restartable: EmbeddedPostgres,
+    task_queue: str,
+    outage_s: float,
+    tool_seconds: float,
+    attempts: str,
+) -> None:
+    """PostgreSQL stopped while a tool runs: the tool is not run again. Its result is logged by the same attempt
+    once PostgreSQL is back (the tool read all it needs before it ran, and its writes wait out the outage), or, when
+    the outage outlasts the attempt, by a later attempt on the same worker, which logs the run's outcome instead of
+    running the tool again. Before, a read after the run failed the attempt and the retry ran the tool again."""
+    tool = _OutageTool(pg_restartable)
+    async with _database_on(pg_restartable) as dsn:
+        async with stack(temporal_client, dsn, task_queue, executors={**EXECUTORS, "clock.wait": tool}) as store:
+            timeouts = CRASH.model_copy(update={"tool_seconds": tool_seconds})
+            handle = await start(temporal_client, task_queue, session_open(timeouts=timeouts))
+            await turn(handle, "hello before the outage", update_id="turn-1")
+            pending = asyncio.create_task(turn(handle, '/call clock.wait {"seconds": 0}', update_id="turn-2"))
+            await _until(lambda: asyncio.sleep(0, tool.runs or None), "the tool to run")
+            try:
+                await asyncio.sleep(outage_s)
+                assert not pending.done()
+            finally:
+                await pg_restartable.start()
+            await asyncio.wait_for(pending, timeout=60)
+            assert tool.runs == 1
+            tools = _scheduled(await _events(handle), names.ACTIVITY_TOOL)
+            attempt = _attempt(await _events(handle), tools[0].event_id)
+            assert attempt == 1 if attempts == "one" else attempt > 1
+            [result] = [r.payload for r in await store.load_items(handle.id) if r.payload["kind"] == "tool_result"]
+            assert (result["content"], result["is_error"]) == ("waited, run 1", False)
 
 
 # ------------------------------------------------------------------- 3. two workers, one killed, 20 sessions
