@@ -104,7 +104,8 @@ class MemoryActivities(MemoryCalls):
         the next request on. Over a cap or naming an unknown id, it fails (non-retryable) and changes nothing."""
         state, store = self.state, self.state.store
         key = f"runtime:{inp.update_id}"
-        if not await store.has_working_state_write(inp.session_id, key):
+        written = await store.working_state_write_turn(inp.session_id, key)  # a retry's: the turn first logged
+        if written is None:
             open_, secret, cache = await state.session(inp.session_id)
             prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
             estimator = TokenEstimator(await state.profile(profile), state.counter(profile.encoding))
@@ -136,9 +137,10 @@ class MemoryActivities(MemoryCalls):
                 raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
             write = WorkingStateWrite(turn=inp.turn, writer="runtime", update=inp.update)
             await store.add_working_state_write(inp.session_id, key, inp.turn, write.model_dump(mode="json"))
+            written = inp.turn
         writes = await store.working_state_writes(inp.session_id)
         ws = working_state(writes, state.counter("cl100k_base").count, inp.turn + 1)
-        return WorkingStateResult(turn=inp.turn, working_state=render(ws))
+        return WorkingStateResult(turn=written, working_state=render(ws))
 
     def all(self) -> list[Any]:
         return [self.write_memory, self.delete_memory, self.write_working_state]

@@ -463,7 +463,7 @@ ORDER BY created_at, memory_id"""
 SQL_ADD_WS_WRITE = """
 INSERT INTO working_state_writes (session_id, write_key, turn, write) VALUES ($1, $2, $3, $4)
 ON CONFLICT (session_id, write_key) DO NOTHING"""
-SQL_HAS_WS_WRITE = "SELECT 1 FROM working_state_writes WHERE session_id = $1 AND write_key = $2"
+SQL_WS_WRITE_TURN = "SELECT turn FROM working_state_writes WHERE session_id = $1 AND write_key = $2"
 SQL_WS_WRITES = "SELECT write FROM working_state_writes WHERE session_id = $1 ORDER BY position"
 SQL_GET_CALIBRATION = "SELECT calibration FROM calibrations WHERE route = $1"
 SQL_PROVIDER_CALIBRATION = "SELECT max(calibration) FROM calibrations WHERE route LIKE $1"
@@ -1310,8 +1310,13 @@ class Store:
     async def add_working_state_write(self, session_id: str, write_key: str, turn: int, write: dict[str, Any]) -> None:
         await self.pool.execute(SQL_ADD_WS_WRITE, session_id, write_key, turn, write)
 
+    async def working_state_write_turn(self, session_id: str, write_key: str) -> int | None:
+        """The turn the write `write_key` was logged for (the first whose requests see it); None: not logged."""
+        turn = await self.pool.fetchval(SQL_WS_WRITE_TURN, session_id, write_key)
+        return None if turn is None else int(turn)
+
     async def has_working_state_write(self, session_id: str, write_key: str) -> bool:
-        return bool(await self.pool.fetchval(SQL_HAS_WS_WRITE, session_id, write_key))
+        return await self.working_state_write_turn(session_id, write_key) is not None
 
     async def working_state_writes(self, session_id: str) -> list[dict[str, Any]]:
         return [r["write"] for r in await self.pool.fetch(SQL_WS_WRITES, session_id)]

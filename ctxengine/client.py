@@ -18,7 +18,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -282,14 +282,22 @@ class CtxEngineClient:
         self.store = store
 
     async def start_session(
-        self, open_: SessionOpen, *, session_id: str | None = None, wait_open: bool = True, timeout: float = 30.0
+        self,
+        open_: SessionOpen,
+        *,
+        session_id: str | None = None,
+        wait_open: bool = True,
+        timeout: float = 30.0,
+        task_timeout: timedelta | None = None,
     ) -> Session:
         """Start a session. A used id is refused (SessionIdTaken), whether its session is running or ended; an id
         whose start failed before the session opened (PrefixOverflow, an invalid budget) may be used again
         (docs/contract.md, "Ids and idempotency").
 
         With `wait_open`, returns once the prefix is open, so an open that fails (PrefixOverflow, an invalid
-        budget) raises here rather than at the first turn.
+        budget) raises here rather than at the first turn. `task_timeout`: the session's workflow task timeout
+        (Temporal's 10 s when None), which its compactions and child runs take too: how long a turn waits for a
+        workflow task a dead worker held (docs/reliability.md, "Failover").
         """
         sid = session_id or f"session-{uuid.uuid4().hex}"
         try:
@@ -301,6 +309,7 @@ class CtxEngineClient:
                 id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 static_summary=f"ctxengine session {sid}",
+                task_timeout=task_timeout,
             )
         except (WorkflowAlreadyStartedError, RPCError) as exc:
             raise map_failure(exc) from exc
@@ -425,7 +434,9 @@ async def connect(
     if dsn is None:
         yield CtxEngineClient(client, task_queue=task_queue)
         return
-    async with Store.from_dsn(dsn, max_size=2) as store:
+    # No connection kept open: a client reads the store only to inspect or purge, and a pool that keeps one
+    # would log a traceback for each try to restore it while PostgreSQL is down.
+    async with Store.from_dsn(dsn, min_size=0, max_size=2) as store:
         yield CtxEngineClient(client, task_queue=task_queue, store=store)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -112,6 +113,28 @@ async def test_idempotent_turn_across_continue_as_new(temporal_client: Client, p
         assert (await s.state()).turns == 3
         with pytest.raises(SessionIdTaken):
             await ctx.start_session(session_open(), session_id=s.session_id)
+
+
+async def test_a_retried_working_state_write_answers_its_first_turn_across_continue_as_new(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A runtime write resent with the same key after the session went on (and continued as new) is logged once and
+    answers the turn it was first logged for, not the turn the resend arrived before. The client starts the session
+    with the workflow task timeout it is given."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open(continue_as_new_after_turns=2), task_timeout=timedelta(seconds=5))
+        write = {"operations": [{"op": "add_constraint", "text": "Trains only."}]}
+        await s.submit_turn("hello")
+        first = await s.update_working_state(write, idempotency_key="ws-once")
+        await s.submit_turn("second")
+        await s.submit_turn("third")  # lands on the second run
+        again = await s.update_working_state(write, idempotency_key="ws-once")
+        assert (first.turn, again.turn) == (2, 2)
+        rows = await store.pool.fetch("SELECT turn FROM working_state_writes WHERE session_id = $1", s.session_id)
+        assert [r["turn"] for r in rows] == [2]
+        started = await temporal_client.get_workflow_handle(s.session_id).describe()
+        assert started.raw_description.execution_config.default_workflow_task_timeout.seconds == 5
 
 
 async def test_a_failed_start_s_id_may_be_used_again(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
