@@ -46,7 +46,8 @@ class ToolCallActivities(ToolCalls):
     def __init__(self, state: SessionState, executors: Mapping[str, Executor] | None = None) -> None:
         self.state = state
         self.executors = EXECUTORS if executors is None else executors
-        self.unlogged: OrderedDict[str, _Outcome] = OrderedDict()  # result id -> its run's outcome, not logged yet
+        # (session, result id) -> its run's outcome, not logged yet: item ids are a session's own.
+        self.unlogged: OrderedDict[tuple[str, str], _Outcome] = OrderedDict()
 
     def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
         """Whether a control-tool write is tainted: its call was, or untrusted content entered the turn's log
@@ -69,16 +70,17 @@ class ToolCallActivities(ToolCalls):
         done = cache.item(result_id)
         ws_text: str | None = None
         if isinstance(done, ToolResult):
-            self.unlogged.pop(result_id, None)
+            self.unlogged.pop((inp.session_id, result_id), None)
             return _summary(done, state.counter("cl100k_base").count(done.content), None)
         call_item = cache.item(inp.call.item_id)
         # A result inherits its call's taint: a tool can store and return text the model chose (notes.save).
         tainted = call_item.tainted if call_item is not None else True
-        outcome = self.unlogged.get(result_id)
+        run = (inp.session_id, result_id)
+        outcome = self.unlogged.get(run)
         if outcome is None:
             # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
             outcome = await self._run_tool(inp, open_, cache.this_turn(), tainted=tainted)
-            self.unlogged[result_id] = outcome
+            self.unlogged[run] = outcome
             while len(self.unlogged) > UNLOGGED_RUNS_KEPT:
                 self.unlogged.popitem(last=False)
         content, trust, is_error, artifact = outcome
@@ -97,7 +99,7 @@ class ToolCallActivities(ToolCalls):
             "artifact_ref": artifact,
         }
         await store_waiting(lambda: state.append(inp.session_id, inp.turn, [entry], cache))
-        self.unlogged.pop(result_id, None)
+        self.unlogged.pop(run, None)
         stored = cache.item(result_id) or next(
             i for i in await store_waiting(lambda: state.items(inp.session_id, cache)) if i.id == result_id
         )
