@@ -55,11 +55,19 @@ class LifecycleActivities(SessionLifecycleCalls):
             budget = inp.open.context_budget()
         except ValidationError as exc:
             first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "output_reserve"  # the reserve-under-window check
             raise ApplicationError(
-                f"session open: budget.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+                f"session open: budget.{field}: {str(first['msg']).removeprefix('Value error, ')}",
                 type="InvalidSessionOpen",
                 non_retryable=True,
             ) from exc
+        if budget.output_reserve < 1:  # refused here, at the door: sessions opened before decode as they did
+            raise ApplicationError(
+                "session open: budget.output_reserve: must be at least 1: it is each request's maximum output "
+                "tokens (`max_tokens`), which providers refuse at 0",
+                type="InvalidSessionOpen",
+                non_retryable=True,
+            )
         route = inp.open.route
         provider = state.providers.get(route.provider)
         if provider is None:  # refused at open, not at every later turn

@@ -229,13 +229,20 @@ class SessionOpen(_Input):
     @field_validator("budget", mode="after")
     @classmethod
     def _budget_fits_route(cls, budget: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        """Route and budget are checked together at the door; the error names the budget field."""
+        """Route and budget are checked together at the door; the error names the budget field.
+
+        This runs wherever a SessionOpen is decoded, a workflow replaying or continuing a running session too, so it
+        accepts every open it accepted before (a run must decode its own start input): what only the open itself
+        refuses now is refused by the open activity (`activities/lifecycle.py`, `InvalidSessionOpen`)."""
         if "model_route" not in info.data:  # the route itself did not validate
             return budget
         window = (info.data["model_route"] or ModelRoute()).profile().context_window
         try:
-            checked = ContextBudget.model_validate(_on_route(window, budget))
+            ContextBudget.model_validate(_on_route(window, budget))
         except ValidationError as exc:
+            if _as_written_before(window, budget):
+                return budget
+
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])
             field = f"budget.{loc}" if loc else "budget (with the route's context_window)"
@@ -243,11 +250,6 @@ class SessionOpen(_Input):
                 field = "budget.output_reserve"
             msg = str(first["msg"]).removeprefix("Value error, ")
             raise ValueError(f"{field}: {msg} (model_route.context_window {window:,})") from None
-        if checked.output_reserve < 1 and info.context is not STORED:  # sessions opened before keep theirs
-            raise ValueError(
-                "budget.output_reserve: must be at least 1: it is each request's maximum output tokens "
-                "(`max_tokens`), which providers refuse at 0"
-            )
         return budget
 
 
@@ -266,6 +268,19 @@ def _on_route(window: int, budget: dict[str, Any]) -> dict[str, Any]:
         except ValidationError:
             pass
     return merged
+
+
+def _as_written_before(window: int, budget: dict[str, Any]) -> bool:
+    """Whether the budget validated before `_on_route` read a `context_window` override that is not an `int`
+    (`100000.0`, `"100000"`): it was then left as written, not lowered to the route's window."""
+    override = budget.get("context_window")
+    if "context_window" not in budget or (isinstance(override, int) and not isinstance(override, bool)):
+        return False
+    try:
+        ContextBudget.model_validate({"context_window": window, **budget})
+    except ValidationError:
+        return False
+    return True
 
 
 class TurnInput(_Input):

@@ -18,11 +18,13 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import RawValue
+from temporalio.exceptions import ApplicationError
 
 from activities.store import Store
 from contract import bounds, names, retries
 from contract.payloads import ActivityTimeouts, CloseSession, SessionState, WriteMemory
 from tests.integration.session_helpers import session_open, stack, start, turn
+from workflows.child_run import first_typed_cause
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -217,6 +219,36 @@ async def test_route_window_with_a_smaller_reserve_opens(temporal_client: Client
         with pytest.raises(WorkflowFailureError) as info:
             await asyncio.wait_for(bad.result(), timeout=30)
         assert "budget.output_reserve" in str(info.value.cause)
+
+
+@pytest.mark.parametrize(
+    ("budget", "named"),
+    [
+        ({"output_reserve": 0}, "budget.output_reserve: must be at least 1"),
+        ({"context_window": 100_000.0, "output_reserve": 10_000}, "budget.output_reserve"),
+    ],
+)
+async def test_an_open_the_door_refuses_fails_typed_naming_the_field(
+    temporal_client: Client, pg_dsn: str, task_queue: str, budget: dict[str, Any], named: str
+) -> None:
+    """A reserve of 0 (sent as `max_tokens: 0`, which providers refuse), or a float window override that, lowered
+    to the route's 8,000 tokens, leaves no room for its reserve: the start input decodes (as it did for sessions
+    opened before these checks), and the open activity fails the start `InvalidSessionOpen`, naming the field."""
+    async with stack(temporal_client, pg_dsn, task_queue):
+        route = {"provider": "scripted", "model": "scripted-1", "context_window": 8_000}
+        raw = {
+            **session_open().model_dump(mode="json", exclude={"carried", "carried_results"}),
+            "model_route": route,
+            "budget": budget,
+        }
+        bad = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION, raw, id=f"door-{uuid.uuid4().hex[:8]}", task_queue=task_queue
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(bad.result(), timeout=30)
+        failure = first_typed_cause(info.value)
+        assert isinstance(failure, ApplicationError) and failure.type == "InvalidSessionOpen", info.value
+        assert named in failure.message
 
 
 async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:

@@ -154,12 +154,25 @@ def test_a_budget_window_that_is_not_an_integer_is_refused_naming_the_field(writ
         )
 
 
-def test_an_output_reserve_of_zero_is_refused_at_the_door_and_kept_when_stored() -> None:
-    """A reserve of 0 would be sent as `max_tokens: 0`, which providers refuse on every turn: refused at open,
-    naming the field. An open stored before this check reads back as it was."""
-    from contract.payloads import STORED, SessionOpen
+@pytest.mark.parametrize(
+    "budget",
+    [
+        {"output_reserve": 0},  # refused since, by the open activity
+        {"context_window": 100_000.0, "output_reserve": 10_000},  # a float override was left as written
+        {"context_window": "100000", "output_reserve": 10_000},
+    ],
+)
+def test_an_open_accepted_before_still_decodes(budget: dict[str, object]) -> None:
+    """A running session's start input decodes as it did before (a workflow replays and continues as new on it):
+    the validator accepts what it accepted, and what the open now refuses, the open activity refuses. The
+    effective budget of a float override over an 8,000-token route with a 10,000-token reserve does not validate:
+    that session's builds fail typed, where before every request went over the model's window."""
+    from contract.payloads import SessionOpen
 
-    raw = {"agent_instructions": "x", "budget": {"output_reserve": 0}}
-    with pytest.raises(ValidationError, match=r"budget\.output_reserve: must be at least 1"):
-        SessionOpen.model_validate(raw)
-    assert SessionOpen.model_validate(raw, context=STORED).context_budget().output_reserve == 0
+    route = {"provider": "openai", "model": "m", "context_window": 8_000}
+    open_ = SessionOpen.model_validate({"agent_instructions": "x", "model_route": route, "budget": budget})
+    if "context_window" in budget:
+        with pytest.raises(ValidationError, match="output_reserve"):
+            open_.context_budget()
+    else:
+        assert open_.context_budget().output_reserve == 0
