@@ -470,6 +470,8 @@ class OpenAIProvider:
             options["timeout"] = timeout
         self.client = openai.AsyncOpenAI(**options)
         self._counter = counter
+        # No read timeout of the SDK's own (600 s): the model call cuts the call at its `timeouts.model_seconds`.
+        self.call_timeout = openai.Timeout(timeout, connect=5.0)
 
     async def aclose(self) -> None:
         """Close the SDK client's connections (the worker does, when it stops)."""
@@ -496,7 +498,7 @@ class OpenAIProvider:
     async def _create(self, kwargs: dict[str, Any], request: ProviderRequest | None, model: str) -> Any:
         openai = self._openai
         try:
-            return await self.client.chat.completions.create(**kwargs)
+            return await self.client.chat.completions.create(**kwargs, timeout=self.call_timeout)
         except openai.APIStatusError as exc:
             raise self._status_error(exc, request, model) from exc
         except openai.APITimeoutError as exc:
@@ -535,7 +537,7 @@ class OpenAIProvider:
         """Like `_create`, and the request body's bytes exactly as sent (for the wire hash)."""
         openai = self._openai
         try:
-            raw = await self.client.chat.completions.with_raw_response.create(**kwargs)
+            raw = await self.client.chat.completions.with_raw_response.create(**kwargs, timeout=self.call_timeout)
         except openai.APIStatusError as exc:
             raise self._status_error(exc, request, request.model) from exc
         except openai.APITimeoutError as exc:
