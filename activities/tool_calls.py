@@ -7,6 +7,7 @@ taint; the harness's taint fault overrides it (harness/faults.py).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,7 @@ from temporalio import activity
 from activities.failures import store_waiting
 from activities.minimum_body import working_state_cap
 from activities.session_state import SessionState, working_state
-from activities.tools import EXECUTORS, Executor
+from activities.tools import EXECUTORS, Executor, ToolOutput
 from contract import names
 from contract.activity_interfaces import ToolCalls
 from contract.events import EventType
@@ -37,17 +38,40 @@ log = structlog.get_logger("ctxengine.activities")
 ARTIFACT_THRESHOLD = 0
 # What a tool run comes to: the result's content, its trust level, whether it is an error, its artifact.
 _Outcome = tuple[str, TrustLevel, bool, str | None]
-# Tool runs a worker keeps until their results are logged: a retry of the activity on the same worker (its attempt
-# ran out of time waiting for PostgreSQL to come back) logs the run's outcome instead of running the tool again.
-UNLOGGED_RUNS_KEPT = 1_024
+
+
+class UnloggedRuns:
+    """What a worker's tool runs returned, kept until their results are logged: a retry of the activity on the same
+    worker (its attempt ran out of time waiting for PostgreSQL to come back) logs that instead of running the tool
+    again. Keyed by session and call item id (item ids are a session's own); at most `kept` runs, each for at most
+    `ttl_s` (a run whose turn failed is never logged: its call is sealed)."""
+
+    def __init__(self, kept: int = 1_024, ttl_s: float = 3_600.0) -> None:
+        self.kept, self.ttl_s = kept, ttl_s
+        self._runs: OrderedDict[tuple[str, str], tuple[float, ToolOutput | _Outcome]] = OrderedDict()
+
+    def get(self, key: tuple[str, str]) -> ToolOutput | _Outcome | None:
+        kept = self._runs.get(key)
+        return None if kept is None or time.monotonic() - kept[0] > self.ttl_s else kept[1]
+
+    def keep(self, key: tuple[str, str], ran: ToolOutput | _Outcome) -> None:
+        now = time.monotonic()
+        self._runs[key] = (now, ran)
+        while self._runs and (len(self._runs) > self.kept or now - next(iter(self._runs.values()))[0] > self.ttl_s):
+            self._runs.popitem(last=False)
+
+    def drop(self, key: tuple[str, str]) -> None:
+        self._runs.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._runs)
 
 
 class ToolCallActivities(ToolCalls):
     def __init__(self, state: SessionState, executors: Mapping[str, Executor] | None = None) -> None:
         self.state = state
         self.executors = EXECUTORS if executors is None else executors
-        # (session, result id) -> its run's outcome, not logged yet: item ids are a session's own.
-        self.unlogged: OrderedDict[tuple[str, str], _Outcome] = OrderedDict()
+        self.unlogged = UnloggedRuns()
 
     def write_tainted(self, call_tainted: bool, items: list[HistoryItem], turn: int) -> bool:
         """Whether a control-tool write is tainted: its call was, or untrusted content entered the turn's log
@@ -60,9 +84,9 @@ class ToolCallActivities(ToolCalls):
         """Run one authorised call (or record its denial) and append the result as the pair's second half.
 
         Everything the run needs from the store is read before the tool runs; after it, every write waits out a
-        database outage within the attempt (`store_waiting`), and a retry on this worker logs the outcome of a run
-        whose result was not logged instead of running the tool again: a database blink never runs a tool twice
-        (docs/reliability.md)."""
+        database outage within the attempt (`store_waiting`), and a retry on this worker takes what a run whose
+        result was not logged returned instead of running the tool again (`UnloggedRuns`): a database blink never
+        runs a tool twice (docs/reliability.md)."""
         state = self.state
         open_, _, cache = await state.session(inp.session_id)
         result_id = f"{inp.call.item_id}.result"
@@ -70,20 +94,13 @@ class ToolCallActivities(ToolCalls):
         done = cache.item(result_id)
         ws_text: str | None = None
         if isinstance(done, ToolResult):
-            self.unlogged.pop((inp.session_id, result_id), None)
+            self.unlogged.drop((inp.session_id, inp.call.item_id))
             return _summary(done, state.counter("cl100k_base").count(done.content), None)
         call_item = cache.item(inp.call.item_id)
         # A result inherits its call's taint: a tool can store and return text the model chose (notes.save).
         tainted = call_item.tainted if call_item is not None else True
-        run = (inp.session_id, result_id)
-        outcome = self.unlogged.get(run)
-        if outcome is None:
-            # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
-            outcome = await self._run_tool(inp, open_, cache.this_turn(), tainted=tainted)
-            self.unlogged[run] = outcome
-            while len(self.unlogged) > UNLOGGED_RUNS_KEPT:
-                self.unlogged.popitem(last=False)
-        content, trust, is_error, artifact = outcome
+        # The turn's items so far (what a control-tool write's taint depends on), not the whole log.
+        content, trust, is_error, artifact = await self._run_tool(inp, open_, cache.this_turn(), tainted=tainted)
         if inp.call.name == CONTROL_TOOL_NAME and not is_error:
             writes = await store_waiting(lambda: state.store.working_state_writes(inp.session_id))
             ws_text = render(working_state(writes, state.counter("cl100k_base").count, inp.turn + 1))
@@ -99,7 +116,7 @@ class ToolCallActivities(ToolCalls):
             "artifact_ref": artifact,
         }
         await store_waiting(lambda: state.append(inp.session_id, inp.turn, [entry], cache))
-        self.unlogged.pop(run, None)
+        self.unlogged.drop((inp.session_id, inp.call.item_id))
         stored = cache.item(result_id) or next(
             i for i in await store_waiting(lambda: state.items(inp.session_id, cache)) if i.id == result_id
         )
@@ -149,12 +166,21 @@ class ToolCallActivities(ToolCalls):
                 None,
             )
         limit = await self._result_limit(inp, open_)  # read before the tool runs: after it, only writes
-        try:
-            out = await executor(inp.call.arguments)
-        except Exception as exc:
-            log.warning("tool.failed", session_id=inp.session_id, turn=inp.turn, tool=inp.call.name, error=repr(exc))
-            message = f"error: tool {inp.call.name!r} failed: {type(exc).__name__}: {exc}"
-            return message, failure_trust(TrustLevel(spec.max_trust)), True, None
+        run = (inp.session_id, inp.call.item_id)
+        ran = self.unlogged.get(run)
+        if ran is None:
+            try:
+                ran = await executor(inp.call.arguments)
+            except Exception as exc:
+                log.warning(
+                    "tool.failed", session_id=inp.session_id, turn=inp.turn, tool=inp.call.name, error=repr(exc)
+                )
+                message = f"error: tool {inp.call.name!r} failed: {type(exc).__name__}: {exc}"
+                ran = (message, failure_trust(TrustLevel(spec.max_trust)), True, None)
+            self.unlogged.keep(run, ran)
+        if isinstance(ran, tuple):
+            return ran
+        out = ran
         try:
             trust = result_trust(inp.call.name, claimed=out.trust, ceiling=TrustLevel(spec.max_trust))
         except ToolTrustCeilingError as exc:

@@ -369,20 +369,25 @@ class _OutageTool:
     """`clock.wait`'s stand-in: counts its runs and stops PostgreSQL while it runs (the first time), so the writes
     after it meet the outage."""
 
-    def __init__(self, server: EmbeddedPostgres) -> None:
+    def __init__(self, server: EmbeddedPostgres, trust: TrustLevel) -> None:
         self.server = server
+        self.trust = trust
         self.runs = 0
 
     async def __call__(self, args: dict[str, Any]) -> ToolOutput:
         self.runs += 1
         if self.runs == 1:
             await self.server.stop()
-        return ToolOutput(content=f"waited, run {self.runs}", trust=TrustLevel.TOOL)
+        return ToolOutput(content=f"waited, run {self.runs}", trust=self.trust)
 
 
 @pytest.mark.parametrize(
-    ("outage_s", "tool_seconds", "attempts"),
-    [(3, 15, "one"), (7, 4, "several")],  # within the tool's attempt; longer than it
+    ("outage_s", "tool_seconds", "attempts", "trust"),
+    [
+        (3, 15, "one", TrustLevel.TOOL),  # within the tool's attempt
+        (7, 4, "several", TrustLevel.TOOL),  # longer than it
+        (7, 4, "several", TrustLevel.EXTERNAL_UNTRUSTED),  # an untrusted result is also kept as an artifact
+    ],
 )
 async def test_postgres_restart_during_a_tool_runs_it_once(
     temporal_client: Client,
@@ -391,12 +396,14 @@ async def test_postgres_restart_during_a_tool_runs_it_once(
     outage_s: float,
     tool_seconds: float,
     attempts: str,
+    trust: TrustLevel,
 ) -> None:
     """PostgreSQL stopped while a tool runs: the tool is not run again. Its result is logged by the same attempt
     once PostgreSQL is back (the tool read all it needs before it ran, and its writes wait out the outage), or, when
-    the outage outlasts the attempt, by a later attempt on the same worker, which logs the run's outcome instead of
-    running the tool again. Before, a read after the run failed the attempt and the retry ran the tool again."""
-    tool = _OutageTool(pg_restartable)
+    the outage outlasts the attempt, by a later attempt on the same worker, which takes what the run returned
+    instead of running the tool again. Before, a read after the run failed the attempt and the retry ran the tool
+    again."""
+    tool = _OutageTool(pg_restartable, trust)
     async with _database_on(pg_restartable) as dsn:
         async with stack(temporal_client, dsn, task_queue, executors={**EXECUTORS, "clock.wait": tool}) as store:
             timeouts = CRASH.model_copy(update={"tool_seconds": tool_seconds})
@@ -415,7 +422,8 @@ async def test_postgres_restart_during_a_tool_runs_it_once(
             attempt = _attempt(await _events(handle), tools[0].event_id)
             assert attempt == 1 if attempts == "one" else attempt > 1
             [result] = [r.payload for r in await store.load_items(handle.id) if r.payload["kind"] == "tool_result"]
-            assert (result["content"], result["is_error"]) == ("waited, run 1", False)
+            assert (result["content"], result["is_error"], result["trust"]) == ("waited, run 1", False, trust.value)
+            assert (result["artifact_ref"] is not None) == (trust is TrustLevel.EXTERNAL_UNTRUSTED)
 
 
 # ------------------------------------------------------------------- 3. two workers, one killed, 20 sessions
