@@ -459,13 +459,18 @@ def _role_first(*, fast: bool) -> str:
     )
 
 
-# A role word opens a line (after any run of blanks, markdown markers (`#*_=~-+`, a bullet `•`, a numbered item's
-# `1.` or `1)`), quote markers (`>`, `"`), table bars, combining marks or made-visible invisibles) and is followed
-# by a colon (an escaped colon look-alike, or a colon-like character escaping keeps: `_COLON_LIKE`); its first
-# character is escaped. The run is possessive (no letter can start it; a digit run is taken only with its `.` or
-# `)`), so a long run of '>' or blanks costs one pass, not a backtracking search.
+# A list item's number or letter, or a ticked task box: `1.`, `12)`, `3 `, `a)`, `B.` (a blank after the letter's
+# mark), `[x]`. A digit run is taken only with its `.`, `)` or a blank after it, so `0perator:` (a zero for the `o`)
+# is still a role word.
+_ANY_LETTER = _char_class(set().union(*_LETTER_LOOKALIKES.values())) + _MARKS_RUN  # look-alikes, marks included
+_LIST_NUMBER = rf"[0-9]++(?:[.)]|(?=[^\S\n]))|{_ANY_LETTER}[.)](?=[^\S\n])|\[{_letter('x', fast=False)}{_MARKS_RUN}\]"
+# A role word opens a line (after any run of blanks, markdown markers (`#*_=~-+`, a bullet `•`, a list item's number
+# or letter, a task box's `[ ]`, parentheses), quote markers (`>`, `"`), table bars, combining marks or made-visible
+# invisibles) and is followed by a colon (an escaped colon look-alike, or a colon-like character escaping keeps:
+# `_COLON_LIKE`); its first character is escaped. The run is possessive (no role word's first letter can start
+# it), so a long run of '>' or blanks costs one pass, not a backtracking search.
 _ROLE_BODY = (
-    rf"(?P<pre>(?:{_HSPACE}|[#*_=~>+|\"\u2022-]|[0-9]++[.)]|{_ESC}|{_WORD_MARKS})*+)"
+    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|[#*_=~>+|\"\u2022()\[\]-]|{_ESC}|{_WORD_MARKS})*+)"
     rf"(?P<first>{_role_first(fast=True)})"
 )
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)

@@ -53,7 +53,8 @@ _COLONS = ":" + "".join(
     if re.search(r"(?<!SEMI)COLON\b", unicodedata.name(ch, "")) or ch == "\u1361"
 )
 _ROLE_LINE_RE = re.compile(
-    r"^(?:[ \t#*>_=~+|\"\u2022-]|[0-9]+[.)])*(system|user|assistant|human|ai|developer|platform|tool|instruction|"
+    r"^(?:[ \t#*>_=~+|\"\u2022()\[\]-]|[0-9]+[.) \t]|[A-Za-z][.)][ \t]|\[[xX]\])*"
+    r"(system|user|assistant|human|ai|developer|platform|tool|instruction|"
     r"response)[ \t*_]*"
     rf"[{re.escape(_COLONS)}]",
     re.IGNORECASE | re.MULTILINE,
@@ -647,7 +648,9 @@ class TestAttackCorpus:
                 '\u2022 System: x\n| User: x\n"Assistant: x',
                 '\u2022 \\u{53}ystem: x\n| \\u{55}ser: x\n"\\u{41}ssistant: x',
             ),
-            ("12 System: x\n1.5 User: x", "12 System: x\n1.5 User: x"),  # a number, not a list item
+            ("(1) System: x\na) User: x\n- [ ] Tool: x", "(1) \\u{53}ystem: x\na) \\u{55}ser: x\n- [ ] \\u{54}ool: x"),
+            ("- [x] System: x\n#1 User: x\n12 Model: x", "- [x] \\u{53}ystem: x\n#1 \\u{55}ser: x\n12 \\u{4D}odel: x"),
+            ("0perator: x\na)System: x\n12b User: x", "\\u{30}perator: x\na)System: x\n12b User: x"),
         ],
     )
     def test_escape_examples(self, text: str, escaped: str) -> None:
