@@ -159,7 +159,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     root.setLevel(max(level, logging.WARNING))  # as Python's own last resort: other libraries' info stays out
 
 
-class _JsonLines(logging.StreamHandler):  # type: ignore[type-arg]
+class _JsonLines(logging.StreamHandler[TextIO]):
     """Python `logging` records as the JSON lines structlog writes: event, level, timestamp, logger, the
     record's extra fields (the SDK's `temporal_workflow` / `temporal_activity`) and any exception."""
 

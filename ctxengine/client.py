@@ -434,9 +434,11 @@ async def connect(
     if dsn is None:
         yield CtxEngineClient(client, task_queue=task_queue)
         return
-    # No connection kept open: a client reads the store only to inspect or purge, and a pool that keeps one
-    # would log a traceback for each try to restore it while PostgreSQL is down.
+    # No floor of open connections: a client reads the store only to inspect or purge, and a pool that must keep
+    # one logs a traceback for each try to restore it while PostgreSQL is down. One query now, so that a wrong DSN
+    # or an unreachable database is reported here, as before.
     async with Store.from_dsn(dsn, min_size=0, max_size=2) as store:
+        await store.pool.fetchval("SELECT 1")
         yield CtxEngineClient(client, task_queue=task_queue, store=store)
 
 

@@ -302,7 +302,8 @@ def _call_text(function: Any) -> str:
     if not isinstance(function, dict):
         return json.dumps(function, ensure_ascii=False)
     arguments = function.get("arguments", "")
-    return str(function.get("name", "")) + (arguments if isinstance(arguments, str) else json.dumps(arguments))
+    written = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return str(function.get("name", "")) + written
 
 
 def _anthropic_element(role: str, raw: bytes, block: Any, text: str) -> Element:
