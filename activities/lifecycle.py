@@ -15,6 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.minimum_body import check_route_fits
+from activities.openai_provider import UnconfiguredProvider
 from activities.session_state import SessionCache, SessionState
 from contract import names
 from contract.activity_interfaces import SessionLifecycleCalls
@@ -70,9 +71,11 @@ class LifecycleActivities(SessionLifecycleCalls):
             )
         route = inp.open.route
         provider = state.providers.get(route.provider)
-        if provider is None:  # refused at open, not at every later turn
+        if provider is None or isinstance(provider, UnconfiguredProvider):  # refused at open, not at every turn
+            unset = provider.message if provider is not None else f"{route.provider!r} is not configured on this worker"
             raise ApplicationError(
-                f"model_route.provider: {route.provider!r} is not configured on this worker",
+                f"model_route.provider: {unset}",
+                {"provider": route.provider},
                 type="ProviderNotConfigured",
                 non_retryable=True,
             )

@@ -30,7 +30,14 @@ from core.estimator import TokenEstimator
 from core.items import HistoryItem, ToolResult, TrustLevel
 from core.policy import failure_trust, result_trust
 from core.rendering import escape_content
-from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate, WorkingStateWrite, apply, render
+from core.working_state import (
+    CONTROL_TOOL_NAME,
+    WorkingStateUpdate,
+    WorkingStateWrite,
+    apply,
+    render,
+    write_problem,
+)
 
 log = structlog.get_logger("ctxengine.activities")
 # Untrusted results longer than this (characters) also go to an artifact, so a pointer can always resolve to
@@ -233,6 +240,9 @@ class ToolCallActivities(ToolCalls):
             update = WorkingStateUpdate.model_validate(inp.call.arguments)
         except ValueError as exc:
             return f"error: invalid working state update: {exc}", TrustLevel.TOOL, True, None
+        problem = write_problem(update)
+        if problem is not None:
+            return f"error: invalid working state update: {problem}", TrustLevel.TOOL, True, None
         if await store.has_working_state_write(inp.session_id, inp.call.item_id):
             return "working state updated", TrustLevel.TOOL, False, None  # a retry after the write
         open_, secret, cache = await state.session(inp.session_id)

@@ -148,6 +148,30 @@ class WorkingStateUpdate(BaseModel):
     operations: list[Operation] = Field(min_length=1, max_length=20)
 
 
+def write_problem(update: WorkingStateUpdate) -> str | None:
+    """What a new write may not hold, naming where: a blank text, or text PostgreSQL cannot store (a NUL, a lone
+    surrogate). Checked where a write comes in (the update's validator, the control tool), not on the writes a
+    session already logged, which are read back as they were."""
+    for index, op in enumerate(update.operations):
+        texts = [("text", getattr(op, "text", None))]
+        texts += [(f"evidence[{k}]", e) for k, e in enumerate(getattr(op, "evidence", []))]
+        for field, text in texts:
+            if text is None:
+                continue
+            where = f"operations[{index}] ({op.op}).{field}"
+            if not text.strip():
+                return f"{where}: must not be blank"
+            if "\x00" in text:
+                return (
+                    f"{where}: contains a NUL character (\\u0000 at index {text.index(chr(0))}), which cannot be stored"
+                )
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return f"{where}: contains a lone surrogate at index {exc.start}, which is not valid UTF-8"
+    return None
+
+
 class WorkingStateWrite(BaseModel):
     """One write as the session log records it: who wrote, in which turn, and whether untrusted text was in view."""
 

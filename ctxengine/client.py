@@ -53,7 +53,7 @@ from contract.payloads import (
     WriteMemory,
 )
 from contract.settings import settings
-from core.working_state import WorkingStateUpdate
+from core.working_state import WorkingStateUpdate, write_problem
 from ctxengine.inspection import inspect_session
 
 R = TypeVar("R")
@@ -258,6 +258,9 @@ class Session:
     ) -> WorkingStateResult:
         """A runtime write: the control tool's operations, plus removing a constraint (runtime only)."""
         req = update if isinstance(update, WorkingStateUpdate) else _validated(WorkingStateUpdate, update)
+        problem = write_problem(req)
+        if problem is not None:  # refused here as the workflow's validator would refuse it
+            raise ValidationFailed(f"update_working_state: {problem}", type_="ValueError")
         return await self._update(names.UPDATE_WORKING_STATE, req, WorkingStateResult, idempotency_key)
 
     async def close(self, reason: str = "closed by caller") -> SessionState:

@@ -49,7 +49,7 @@ with workflow.unsafe.imports_passed_through():
         WorkingStateResult,
         WriteMemory,
     )
-    from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate
+    from core.working_state import CONTROL_TOOL_NAME, WorkingStateUpdate, write_problem
 
 from workflows.child_run import ChildRunWorkflow, caller_details, first_typed_cause, metrics_of_failed
 from workflows.retry_policies import RETRY, SEAL_RETRY
@@ -122,6 +122,15 @@ class SessionWorkflow:
     @workflow.init
     def __init__(self, start: RawValue = NO_START_INPUT) -> None:
         open_ = _start_input(start)
+        if isinstance(open_, SessionOpen) and _carries(open_) and workflow.info().continued_run_id is None:
+            # What a run carries is handed over by continue-as-new only: a start that sends it would skip the open
+            # (and its refusal of a used session id) and take up a closed session's state.
+            open_ = ApplicationError(
+                "start input: carried, carried_results, carried_failures and carried_update_ids are set by the "
+                "session itself when it continues as new; a start must leave them out",
+                type="InvalidSessionOpen",
+                non_retryable=True,
+            )
         # A refused start input: the run fails first thing; meanwhile queries answer and updates are refused.
         self.refused: Exception | None = open_ if isinstance(open_, Exception) else None
         if isinstance(open_, Exception):
@@ -475,9 +484,12 @@ class SessionWorkflow:
 
     @update_working_state.validator
     def _validate_working_state(self, req: WorkingStateUpdate | None = None) -> None:
-        _given(req, "update_working_state", WorkingStateUpdate)
+        req = _given(req, "update_working_state", WorkingStateUpdate)
         self._validate_open()
         self._validate_room()
+        problem = write_problem(req)
+        if problem is not None:
+            raise _refused(f"update_working_state: {problem}")
 
     @workflow.update(name=names.UPDATE_DELETE_MEMORY)
     async def delete_memory(self, req: DeleteMemory | None = None) -> MemoryDeleted:
@@ -795,6 +807,11 @@ def bound_answers(
         del sizes[oldest]
         results.pop(oldest, None)
         failures.pop(oldest, None)
+
+
+def _carries(open_: SessionOpen) -> bool:
+    """Whether a start input holds what only a continue-as-new hands to the next run."""
+    return bool(open_.carried or open_.carried_results or open_.carried_failures or open_.carried_update_ids)
 
 
 def _start_input(start: RawValue) -> SessionOpen | Exception:

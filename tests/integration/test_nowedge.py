@@ -17,9 +17,11 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
-from temporalio.common import RawValue
+from temporalio.common import RawValue, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 
+from activities.openai_provider import UnconfiguredProvider
+from activities.provider import ScriptedProvider
 from activities.store import Store
 from contract import bounds, names, retries
 from contract.payloads import ActivityTimeouts, CloseSession, SessionState, WriteMemory
@@ -60,6 +62,16 @@ async def test_nul_is_refused_at_the_door_and_the_session_goes_on(
         assert "text" in message and "NUL" in message
         message = await _refused(handle, names.UPDATE_WRITE_MEMORY, {"text": "ok", "corrects": "a\u0000"})
         assert "corrects" in message and "NUL" in message
+        # A runtime working-state write: a NUL or a blank text, named by operation and field.
+        for text, said in (("a\u0000b", "NUL"), ("   ", "must not be blank")):
+            write = {"operations": [{"op": "add_task", "text": "fine"}, {"op": "add_constraint", "text": text}]}
+            message = await _refused(handle, names.UPDATE_WORKING_STATE, write)
+            assert message.startswith("ValueError: ") and "operations[1] (add_constraint).text" in message
+            assert said in message, message
+        written = await store.pool.fetchval(
+            "SELECT count(*) FROM working_state_writes WHERE session_id = $1", handle.id
+        )
+        assert written == 0
         assert await _snapshot(store, handle.id) == before
         after = await turn(handle, "hello again")
         assert after.turn == 2
@@ -156,6 +168,67 @@ async def test_undecodable_start_input_fails_the_run_at_once(
                 continue
             state = await asyncio.wait_for(handle.query(names.QUERY_STATE), timeout=10)
             assert state["status"] == "failed", (args, state)
+
+
+async def test_a_start_that_carries_a_closed_session_s_state_is_refused(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """What a run carries is handed over by continue-as-new only. A start (here with the id of a closed session,
+    reused as the stock CLI's `--id-reuse-policy AllowDuplicate` does) that sends the closed session's state as
+    `carried`, marked open, fails `InvalidSessionOpen`: it does not skip the open and take turns on the closed
+    session (before, it did, and its turns were logged after the close)."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        await handle.execute_update(names.UPDATE_CLOSE_SESSION, CloseSession(reason="done"))
+        closed = SessionState.model_validate(await handle.query(names.QUERY_STATE))
+        items = len(await store.load_items(handle.id))
+        forged = session_open().model_copy(
+            update={"carried": closed.model_copy(update={"status": "open"}), "carried_update_ids": ["x"]}
+        )
+        again = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION,
+            forged,
+            id=handle.id,
+            task_queue=task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(again.result(), timeout=30)
+        assert getattr(info.value.cause, "type", None) == "InvalidSessionOpen", info.value.cause
+        assert len(await store.load_items(handle.id)) == items
+
+
+async def test_a_route_to_a_provider_without_its_key_is_refused_at_open_and_at_rotation(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A worker registers a provider whose key is not set as a stand-in (docs/providers.md). A start naming it fails
+    at open `ProviderNotConfigured`, saying what to set; a rotation to it is refused and the session keeps its
+    epoch and takes turns (before, both went through and every later turn failed)."""
+    unset = "provider 'openai' is not configured: set OPENAI_API_KEY"
+    providers = {"scripted": ScriptedProvider(), "openai": UnconfiguredProvider("openai", unset)}
+    route = {"provider": "openai", "model": "gpt-4o"}
+    async with stack(temporal_client, pg_dsn, task_queue, providers=providers):
+        bad = await temporal_client.start_workflow(
+            names.WORKFLOW_SESSION,
+            session_open(model_route=route),
+            id=f"keyless-{uuid.uuid4().hex[:8]}",
+            task_queue=task_queue,
+        )
+        with pytest.raises(WorkflowFailureError) as info:
+            await asyncio.wait_for(bad.result(), timeout=30)
+        failure = first_typed_cause(info.value)
+        assert failure is not None and failure.type == "ProviderNotConfigured" and unset in failure.message
+
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await _update(handle, names.UPDATE_ROTATE_EPOCH, {"reason": "model_route_changed", "model_route": route})
+        failure = first_typed_cause(refused.value)
+        assert failure is not None and failure.type == "ProviderNotConfigured" and unset in failure.message
+        state = SessionState.model_validate(await handle.query(names.QUERY_STATE))
+        assert state.epoch == 1 and state.model_route.provider == "scripted"
+        assert (await turn(handle, "still here")).turn == 2
 
 
 async def test_slow_model_fails_the_turn_not_the_session(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:

@@ -18,6 +18,7 @@ from core.working_state import (
     control_tool_schema,
     fold,
     render,
+    write_problem,
 )
 from tests.unit import factories as f
 
@@ -155,3 +156,22 @@ class TestCarry:
             except WorkingStateCapError:
                 pass
         assert render(state) == render(state.model_copy())
+
+
+@pytest.mark.parametrize(
+    ("operation", "problem"),
+    [
+        ({"op": "add_task", "text": " \t "}, "operations[0] (add_task).text: must not be blank"),
+        ({"op": "add_constraint", "text": "a\x00b"}, "operations[0] (add_constraint).text: contains a NUL"),
+        ({"op": "add_fact", "text": "ok", "evidence": ["x", "\ud800"]}, "(add_fact).evidence[1]: contains a lone"),
+        ({"op": "add_question", "text": "Which trains run on Sunday?"}, None),
+    ],
+)
+def test_a_new_write_is_refused_with_blank_or_unstorable_text(
+    operation: dict[str, object], problem: str | None
+) -> None:
+    """What comes in as a write (the runtime's update, the control tool) names its blank or unstorable text; the
+    writes already logged are read back as they were (no validator of the models refuses them)."""
+    update = WorkingStateUpdate.model_validate({"operations": [operation]})
+    found = write_problem(update)
+    assert (found is None) if problem is None else (found is not None and problem in found), found
