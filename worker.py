@@ -139,8 +139,8 @@ class _CurrentStderr:
 def configure_logging(level: int = logging.INFO) -> None:
     """JSON lines on stderr (whichever stream it is when a line is written); activities bind session_id, turn
     and epoch. Warnings and errors logged through Python's `logging` (the Temporal SDK's workflow, activity and
-    worker loggers, the core's lines forwarded by `install_runtime`) are written as JSON lines too, with the
-    logger's name."""
+    worker loggers, the core's lines forwarded by `install_runtime`) and Python's own warnings are written as JSON
+    lines too, with the logger's name."""
     stamp: list[Any] = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
     structlog.configure(
         processors=[
@@ -157,6 +157,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     root.handlers = [h for h in root.handlers if not isinstance(h, _JsonLines)]
     root.addHandler(_JsonLines(stamp))
     root.setLevel(max(level, logging.WARNING))  # as Python's own last resort: other libraries' info stays out
+    logging.captureWarnings(True)  # Python's warnings (a coroutine never awaited) too, as logger `py.warnings`
 
 
 class _JsonLines(logging.StreamHandler[TextIO]):

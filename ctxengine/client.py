@@ -216,24 +216,34 @@ class Session:
         key = idempotency_key or str(uuid.uuid4())
         return await self._update(names.UPDATE_SUBMIT_TURN, _validated(TurnInput, {"text": text}), TurnResult, key)
 
-    async def revoke_tool(self, name: str, reason: str = "revoked by operator") -> SessionState:
-        return await self._update(
-            names.UPDATE_REVOKE_TOOL, _validated(RevokeTool, {"name": name, "reason": reason}), SessionState
-        )
+    # Every update takes an idempotency key, its update id: a retry with the same key (after a timeout, say) is
+    # answered as the first call was and applies nothing again (docs/contract.md, "Ids and idempotency").
 
-    async def grant_tool(self, name: str, reason: str = "granted by operator") -> SessionState:
+    async def revoke_tool(
+        self, name: str, reason: str = "revoked by operator", *, idempotency_key: str | None = None
+    ) -> SessionState:
+        req = _validated(RevokeTool, {"name": name, "reason": reason})
+        return await self._update(names.UPDATE_REVOKE_TOOL, req, SessionState, idempotency_key)
+
+    async def grant_tool(
+        self, name: str, reason: str = "granted by operator", *, idempotency_key: str | None = None
+    ) -> SessionState:
         """Re-grant a revoked tool or grant a pinned one the open left out; the prefix is untouched."""
-        return await self._update(
-            names.UPDATE_GRANT_TOOL, _validated(GrantTool, {"name": name, "reason": reason}), SessionState
-        )
+        req = _validated(GrantTool, {"name": name, "reason": reason})
+        return await self._update(names.UPDATE_GRANT_TOOL, req, SessionState, idempotency_key)
 
     async def rotate_epoch(
-        self, reason: str, *, model_route: ModelRoute | None = None, revoke_tools: list[str] | None = None
+        self,
+        reason: str,
+        *,
+        model_route: ModelRoute | None = None,
+        revoke_tools: list[str] | None = None,
+        idempotency_key: str | None = None,
     ) -> SessionState:
         req = _validated(
             RotateEpoch, {"reason": reason, "model_route": model_route, "revoke_tools": revoke_tools or []}
         )
-        return await self._update(names.UPDATE_ROTATE_EPOCH, req, SessionState)
+        return await self._update(names.UPDATE_ROTATE_EPOCH, req, SessionState, idempotency_key)
 
     async def write_memory(
         self,
@@ -246,12 +256,11 @@ class Session:
         req = _validated(WriteMemory, {"text": text, "memory_id": memory_id, "corrects": corrects})
         return await self._update(names.UPDATE_WRITE_MEMORY, req, MemoryResult, idempotency_key)
 
-    async def delete_memory(self, memory_id: str, *, reason: str = "withdrawn by the user") -> MemoryDeleted:
-        return await self._update(
-            names.UPDATE_DELETE_MEMORY,
-            _validated(DeleteMemory, {"memory_id": memory_id, "reason": reason}),
-            MemoryDeleted,
-        )
+    async def delete_memory(
+        self, memory_id: str, *, reason: str = "withdrawn by the user", idempotency_key: str | None = None
+    ) -> MemoryDeleted:
+        req = _validated(DeleteMemory, {"memory_id": memory_id, "reason": reason})
+        return await self._update(names.UPDATE_DELETE_MEMORY, req, MemoryDeleted, idempotency_key)
 
     async def update_working_state(
         self, update: WorkingStateUpdate | dict[str, Any], *, idempotency_key: str | None = None
@@ -263,10 +272,9 @@ class Session:
             raise ValidationFailed(f"update_working_state: {problem}", type_="ValueError")
         return await self._update(names.UPDATE_WORKING_STATE, req, WorkingStateResult, idempotency_key)
 
-    async def close(self, reason: str = "closed by caller") -> SessionState:
-        return await self._update(
-            names.UPDATE_CLOSE_SESSION, _validated(CloseSession, {"reason": reason}), SessionState
-        )
+    async def close(self, reason: str = "closed by caller", *, idempotency_key: str | None = None) -> SessionState:
+        req = _validated(CloseSession, {"reason": reason})
+        return await self._update(names.UPDATE_CLOSE_SESSION, req, SessionState, idempotency_key)
 
     async def state(self) -> SessionState:
         try:

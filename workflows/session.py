@@ -231,7 +231,11 @@ class SessionWorkflow:
         await workflow.wait_condition(lambda: self.ready)
         async with self.lock:
             if self.state.status != "open":
-                raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
+                raise ApplicationError(
+                    f"the session is {self.state.status}; start a new session",
+                    type="SessionNotOpen",
+                    non_retryable=True,
+                )
             self.state.turns += 1
             try:
                 result = await self._turn(self.state.turns, turn.text, update_id)
@@ -461,7 +465,11 @@ class SessionWorkflow:
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         async with self.lock:
             if self.state.status != "open":
-                raise ApplicationError(f"session is {self.state.status}", type="SessionNotOpen")
+                raise ApplicationError(
+                    f"the session is {self.state.status}; start a new session",
+                    type="SessionNotOpen",
+                    non_retryable=True,
+                )
             try:
                 result: WorkingStateResult = await workflow.execute_activity_method(
                     SessionActivityCalls.write_working_state,
@@ -664,7 +672,9 @@ class SessionWorkflow:
         await workflow.wait_condition(lambda: self.ready)
         # Two closes accepted in one workflow task both pass the validator: only the first closes.
         if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
-            raise ApplicationError("close_session: the session is already closing", type="SessionClosed")
+            raise ApplicationError(
+                "close_session: the session is already closing", type="SessionNotOpen", non_retryable=True
+            )
         self.closing = True
         try:
             async with self.lock:
@@ -707,8 +717,11 @@ class SessionWorkflow:
     @close_session.validator
     def _validate_close(self, req: CloseSession | None = None) -> None:
         _given(CloseSession() if req is None else req, "close_session", CloseSession)  # bytes, a number: refused
-        if self.closing or self.state.status == "closed":
-            raise _refused("close_session: the session is already closed")
+        if self.closing or self.state.status == "closed":  # typed as any update to a closing or closed session
+            already = "closed" if self.state.status == "closed" else "closing"
+            raise ApplicationError(
+                f"close_session: the session is already {already}", type="SessionNotOpen", non_retryable=True
+            )
         if self.state.status == "failed":
             raise _refused("close_session: the session failed to open")
 

@@ -137,6 +137,29 @@ async def test_a_retried_working_state_write_answers_its_first_turn_across_conti
         assert started.raw_description.execution_config.default_workflow_task_timeout.seconds == 5
 
 
+async def test_every_update_takes_an_idempotency_key(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
+    """A rotation, a revocation, a grant, a memory deletion and a close resent with the same key (a caller retrying
+    after a timeout) are answered as the first was and apply nothing again: one new epoch, not two."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open())
+        await s.submit_turn("hello")
+        rotations = [await s.rotate_epoch("provider_routing_changed", idempotency_key="rot-1") for _ in range(2)]
+        assert [r.epoch for r in rotations] == [2, 2]
+        revoked = [await s.revoke_tool("web.fetch", idempotency_key="rev-1") for _ in range(2)]
+        assert all("web.fetch" in r.revoked_tools for r in revoked)
+        granted = [await s.grant_tool("web.fetch", idempotency_key="grant-1") for _ in range(2)]
+        assert all("web.fetch" not in g.revoked_tools for g in granted)
+        await s.write_memory("likes trains", memory_id="m-trains")
+        deleted = [await s.delete_memory("m-trains", idempotency_key="del-1") for _ in range(2)]
+        assert deleted[0] == deleted[1]
+        closed = [await s.close("done", idempotency_key="close-1") for _ in range(2)]
+        assert closed[0].status == closed[1].status == "closed"
+        assert closed[1].epoch == 2 and closed[1].metrics.epochs == rotations[0].metrics.epochs
+        epochs = await store.pool.fetchval("SELECT count(*) FROM prefixes WHERE session_id = $1", s.session_id)
+        assert epochs == 2
+
+
 async def test_a_failed_start_s_id_may_be_used_again(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """A start that fails at open (a prefix over its cap) raises PrefixOverflow; the same id then starts a session
     with a fixed open, and once that one is closed the id is refused."""

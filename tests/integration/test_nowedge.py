@@ -354,6 +354,10 @@ async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue
             return_exceptions=True,
         )
         assert sum(not isinstance(o, BaseException) for o in outcomes) == 1, outcomes
+        # The other close is answered as any update to a closing or closed session is: SessionNotOpen, for good.
+        [lost] = [o for o in outcomes if isinstance(o, WorkflowUpdateFailedError)]
+        assert isinstance(lost.cause, ApplicationError) and lost.cause.type == "SessionNotOpen", lost.cause
+        assert lost.cause.non_retryable
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.status == "closed"
 

@@ -69,6 +69,8 @@ try:
 except ZeroDivisionError:
     logging.getLogger("temporalio.worker").exception("multi\\nline")
 structlog.get_logger().info("worker.own", session_id="s")
+import warnings
+warnings.warn("coroutine 'run' was never awaited", RuntimeWarning)
 """
 
 
@@ -83,8 +85,9 @@ def test_what_the_sdk_logs_through_logging_is_written_as_json_lines() -> None:
         ("Completing activity as failed (x)", "warning"),
         ("multi\nline", "error"),
         ("worker.own", "info"),
+        ("<string>:14: RuntimeWarning: coroutine 'run' was never awaited\n", "warning"),
     ]
-    assert lines[0]["logger"] == "temporalio.activity"
+    assert lines[0]["logger"] == "temporalio.activity" and lines[3]["logger"] == "py.warnings"
     assert lines[0]["temporal_activity"] == {"activity_id": "7"}
     assert "ZeroDivisionError" in lines[1]["exception"]
     assert all("timestamp" in line for line in lines)
