@@ -830,7 +830,7 @@ def _carries(open_: SessionOpen) -> bool:
 def _start_input(start: RawValue) -> SessionOpen | Exception:
     """The start input as a SessionOpen, or the error the run fails with: pydantic's ValidationError (it names the
     field) or a typed, non-retryable InvalidSessionOpen naming what arrived instead."""
-    if not start.payload.metadata:
+    if not start.payload.metadata or start.payload.data.strip() == b"null":  # none, or JSON null (the CLI's)
         return ApplicationError(
             "start input: none was sent; send one SessionOpen", type="InvalidSessionOpen", non_retryable=True
         )

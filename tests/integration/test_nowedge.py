@@ -154,6 +154,7 @@ async def test_undecodable_start_input_fails_the_run_at_once(
         ([None], "InvalidSessionOpen"),
         ([b"raw bytes"], "InvalidSessionOpen"),
         ([RawValue(Payload(metadata=odd, data=b"{}"))], "InvalidSessionOpen"),
+        ([RawValue(Payload(metadata={"encoding": b"json/plain"}, data=b"null"))], "InvalidSessionOpen"),  # the CLI's
         ([{"agent_instructions": 5}], "ValidationError"),
     ]
     async with stack(temporal_client, pg_dsn, task_queue):
