@@ -28,8 +28,10 @@ from activities.session_state import (
 )
 from contract import names
 from contract.activity_interfaces import BuildCalls
+from contract.bounds import RECENT_UPDATES
 from contract.events import EventType
 from contract.payloads import BuildInput, BuildResult, SessionOpen
+from contract.retries import UPDATE_ID_REUSED
 from core.build import BodyInputs, FrozenPrefix, build, counter_key
 from core.compaction import Checkpoint
 from core.errors import ContextError, TurnTooLargeError
@@ -66,6 +68,8 @@ class BuildActivities(BuildCalls):
                 message = [
                     {"id": user_item_id, "kind": "user_message", "trust": TrustLevel.USER.value, "text": inp.user_text}
                 ]
+            else:  # logged already: by this turn's earlier attempt, or by an earlier turn (a reused update id)
+                await self._refuse_reused_id(inp, user_item_id, stored=False)
         prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
         profile = calibrated(profile, reads.calibration, reads.provider_calibration)
         estimator = TokenEstimator(profile, state.counter(profile.encoding))
@@ -105,6 +109,8 @@ class BuildActivities(BuildCalls):
             renders=renders,
             append_after_seq=cache.max_seq,
         )
+        if message and not seqs:  # logged before the memo's position: only an earlier turn logs there
+            await self._refuse_reused_id(inp, message[0]["id"], stored=True)
         if message and seqs != [ri.max_seq]:
             # Something was logged between this call's read and its write (a late reply of a timed-out attempt):
             # the request was built without it. The retry reads it and builds again (its record replaces this).
@@ -145,6 +151,25 @@ class BuildActivities(BuildCalls):
             )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
         return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
+
+    async def _refuse_reused_id(self, inp: BuildInput, user_item_id: str, *, stored: bool) -> None:
+        """Fail the turn for good when its message's id was logged by an earlier turn: the update id is a retry of a
+        turn whose answer the session no longer carries (older than its last 32 turns), and building again would
+        find it again. `stored`: the request was just stored with it; never sent, its record goes."""
+        store = self.state.store
+        logged_by = await store.item_turn(inp.session_id, user_item_id)
+        if logged_by is None or logged_by == inp.turn:
+            return  # this turn's own message, logged by an earlier attempt of this build
+        if stored:
+            await store.drop_unsent_record(inp.session_id, inp.turn, inp.call_index)
+        raise ApplicationError(
+            f"turn {inp.turn}: update id {inp.update_id!r} was turn {logged_by}'s, whose answer this session no "
+            f"longer carries (it carries its last {RECENT_UPDATES} turns' answers across continue-as-new): nothing "
+            "was appended; send a new turn with a new update id",
+            {"update_id": inp.update_id, "turn": logged_by},
+            type=UPDATE_ID_REUSED,
+            non_retryable=True,
+        )
 
     async def _plan(
         self,

@@ -372,6 +372,11 @@ SELECT (
     + APPENDED
 )
 SQL_GET_RECORD = "SELECT * FROM request_records WHERE session_id = $1 AND turn = $2 AND call_index = $3"
+# A request built for a turn that cannot go on (its message's id was logged by an earlier turn): never sent.
+SQL_DROP_UNSENT_RECORD = """
+DELETE FROM request_records
+WHERE session_id = $1 AND turn = $2 AND call_index = $3 AND actual_input_tokens IS NULL"""
+SQL_ITEM_TURN = "SELECT turn FROM items WHERE session_id = $1 AND item_id = $2"
 SQL_RECORDS = "SELECT * FROM request_records WHERE session_id = $1 ORDER BY turn, call_index"
 SQL_RECORD_WIRE = """
 UPDATE request_records SET wire_prefix_sha256 = $4
@@ -1071,6 +1076,15 @@ class Store:
             append_after_seq,
         )
         return [EpochPrefix(**p) for p in row["prefixes"]], _appended(row, append), _record(row["record"])
+
+    async def drop_unsent_record(self, session_id: str, turn: int, call_index: int) -> None:
+        """Delete the record of a request that was never sent (no usage), as if it had never been built."""
+        await self.pool.execute(SQL_DROP_UNSENT_RECORD, session_id, turn, call_index)
+
+    async def item_turn(self, session_id: str, item_id: str) -> int | None:
+        """The turn that logged the item `item_id`; None: not logged."""
+        turn = await self.pool.fetchval(SQL_ITEM_TURN, session_id, item_id)
+        return None if turn is None else int(turn)
 
     async def get_record(self, session_id: str, turn: int, call_index: int) -> RequestRecord | None:
         row = await self.pool.fetchrow(SQL_GET_RECORD, session_id, turn, call_index)

@@ -21,6 +21,8 @@ UPDATES_ADMIT_LIMIT = 1_900
 # Temporal refuses a payload over 2 MB (a continue-as-new input included, which would fail its workflow task for
 # good): the turn results and failures a session carries across continue-as-new are kept under this many bytes.
 CARRIED_RESULTS_BYTES = 512 * 1024
+# Turn results (and failures, and applied update ids) remembered by update id across continue-as-new.
+RECENT_UPDATES = 32
 REASON_CHARS = 500  # the longest `reason` an update takes
 
 # Upper bounds per unit, each with its workflow task: scheduled + started + completed (3) + the workflow task

@@ -51,3 +51,6 @@ CONTEXT_LENGTH_EXCEEDED = "ContextLengthExceeded"
 CONTEXT_WINDOW_MISMATCH = "ContextWindowMismatch"
 # The typed error a failed turn's update carries when its cause had no type of its own.
 TURN_FAILED = "TurnFailed"
+# A submit_turn whose update id was an earlier turn's, whose answer the session no longer carries
+# (bounds.RECENT_UPDATES): the turn fails for good, nothing appended (activities/build.py).
+UPDATE_ID_REUSED = "UpdateIdReused"

@@ -55,7 +55,7 @@ from workflows.child_run import ChildRunWorkflow, caller_details, first_typed_ca
 from workflows.retry_policies import RETRY, SEAL_RETRY
 from workflows.turn import TurnRunner
 
-RECENT_UPDATES = 32  # turn results remembered, by update id, across continue-as-new
+RECENT_UPDATES = bounds.RECENT_UPDATES  # turn results remembered, by update id, across continue-as-new
 SA_TURNS_EVERY = 10
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)

@@ -7,18 +7,23 @@ import asyncio
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from temporalio.client import Client
 
+from activities.rebuild import rebuild_session
 from activities.rows import StoredPrefix
 from activities.store import Store
+from activities.tokens import TiktokenCounter
 from contract import names
+from contract.bounds import RECENT_UPDATES
 from contract.payloads import ChildRunInput, ChildRunResult, GrantTool, RevokeTool
 from ctxengine.client import (
     CtxEngineClient,
+    CtxEngineError,
     PrefixOverflow,
     SessionIdTaken,
     SessionNotClosed,
@@ -135,6 +140,38 @@ async def test_a_retried_working_state_write_answers_its_first_turn_across_conti
         assert [r["turn"] for r in rows] == [2]
         started = await temporal_client.get_workflow_handle(s.session_id).describe()
         assert started.raw_description.execution_config.default_workflow_task_timeout.seconds == 5
+
+
+@pytest.mark.parametrize(
+    ("budget", "words"),
+    [({}, 2), ({"context_window": 5_000, "output_reserve": 500}, 150)],  # in the memo; covered by a checkpoint
+)
+async def test_a_turn_key_older_than_the_carried_answers_fails_at_once_and_appends_nothing(
+    temporal_client: Client, pg_dsn: str, task_queue: str, budget: dict[str, int], words: int
+) -> None:
+    """A retry of a turn's key after 36 more turns (the session carries its last 32 answers across continue-as-new)
+    fails `UpdateIdReused` at once, naming the turn the key was, appends nothing and leaves no request record
+    behind (every recorded request still replays); the session goes on. Before, the build found the message
+    logged, raised the undocumented `LogMoved` and built again for ~75 s with the turn lock held, and each try
+    left a record replay could not reproduce."""
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue, store=store)
+        s = await ctx.start_session(session_open(continue_as_new_after_turns=4, budget=budget))
+        first = await s.submit_turn("remember this", idempotency_key="old-key")
+        for n in range(RECENT_UPDATES + 4):  # the last continue-as-new carries 32 newer answers
+            await s.submit_turn(f"turn {n}: " + "words " * words)
+        if budget:  # a checkpoint covers the first turn: a build reads the log after it only
+            assert (await s.state()).metrics.compactions >= 1
+        items = [r.payload["id"] for r in await store.load_items(s.session_id)]
+        began = time.monotonic()
+        with pytest.raises(CtxEngineError) as refused:
+            await s.submit_turn("remember this", idempotency_key="old-key")
+        assert time.monotonic() - began < 20
+        assert refused.value.type == "UpdateIdReused" and f"was turn {first.turn}'s" in str(refused.value)
+        assert [r.payload["id"] for r in await store.load_items(s.session_id)] == items
+        rebuilt = await rebuild_session(store, s.session_id, lambda _: TiktokenCounter("cl100k_base"))
+        assert rebuilt and all(r.reproduced for r in rebuilt), [r for r in rebuilt if not r.reproduced][:2]
+        assert (await s.submit_turn("and now?")).text
 
 
 async def test_every_update_takes_an_idempotency_key(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
