@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,11 @@ from core.plan import PlanStatus
 
 _VALIDATE_SECRET = b"ctxengine-validate"
 # Nonces have a fixed length but not a fixed token count: a session's secret moves its prefix by some tens of tokens.
-# The floor is measured on the costliest prefix of this many secrets.
-FLOOR_SECRETS = 16
+# The floor is measured on the costliest prefix of this many secrets, with room for any secret's: the prefix's raw
+# count over them, mean plus FLOOR_TAIL_SIGMAS standard deviations (a sum of a dozen or more nonces' counts, each
+# bounded: a lighter tail than a normal one, past which one secret in about a billion would land).
+FLOOR_SECRETS = 64
+FLOOR_TAIL_SIGMAS = 6
 FLOOR_SEARCH_LIMIT = 1 << 24  # the largest window the floor is looked for up to; beyond it the floor is -1
 
 
@@ -122,8 +127,8 @@ def validate_config(
         )
     floor = None
     if not offending:
-        worst, secret = costliest_prefix(inputs, loose, estimator)
-        floor = min_window(budget, worst, estimator, message_tokens, tool_results, secret=secret)
+        worst, secret, tail = costliest_prefix(inputs, loose, estimator)
+        floor = min_window(budget, worst, estimator, message_tokens, tool_results, secret=secret, tail=tail)
     below_floor = floor is not None and not 0 < floor <= budget.context_window
     return {
         "route": profile.route,
@@ -153,24 +158,42 @@ def route_budget(open_: SessionOpen, profile: ModelProfile) -> ContextBudget:
 
 def costliest_prefix(
     inputs: PrefixInputs, budget: ContextBudget, estimator: TokenEstimator
-) -> tuple[FrozenPrefix, bytes]:
-    """The prefix of `inputs` with the most tokens over FLOOR_SECRETS secrets (its nonces' tokens vary), and its
-    secret: what the floor is measured on, so that a session at the floor opens whatever its own secret."""
+) -> tuple[FrozenPrefix, bytes, int]:
+    """The prefix of `inputs` with the most tokens over FLOOR_SECRETS secrets (its nonces' tokens vary), its secret,
+    and the tail: the estimated tokens a costlier secret's prefix may add to it (FLOOR_TAIL_SIGMAS over the mean),
+    taken off the window beside the spare. What the floor is measured on, so that a session at the floor opens
+    whatever its own secret."""
     drawn = [_VALIDATE_SECRET + str(k).encode() for k in range(FLOOR_SECRETS)]
     prefixes = [(open_prefix(inputs, budget=budget, estimator=estimator, secret=s), s) for s in drawn]
-    return max(prefixes, key=lambda pair: pair[0].raw_tokens)
+    worst, secret = max(prefixes, key=lambda pair: pair[0].raw_tokens)
+    counts = [p.raw_tokens for p, _ in prefixes]
+    bound = math.ceil(statistics.fmean(counts) + FLOOR_TAIL_SIGMAS * statistics.pstdev(counts))
+    tools = worst.tool_count
+    tail = estimator.prefix_reserve(max(bound, worst.raw_tokens), tools) - estimator.prefix_reserve(
+        worst.raw_tokens, tools
+    )
+    return worst, secret, tail
 
 
 def _takes_turn(
-    budget: ContextBudget, prefix: Any, estimator: TokenEstimator, window: int, message: str, n: int, secret: bytes
+    budget: ContextBudget,
+    prefix: Any,
+    estimator: TokenEstimator,
+    window: int,
+    message: str,
+    n: int,
+    secret: bytes,
+    tail: int = 0,
 ) -> bool:
     """Whether a turn fits at `window` under the route's `budget`, as the open check asks (a message id shaped as a
     real one, ROOM_SLACK_TOKENS to spare for a real turn's clock and id): the first request (the message) and the one
-    after its n tool results. The spare is taken off the window, so the builder yields for it as it would for a real
-    turn's extra tokens, and a larger window never takes less."""
-    if window - ROOM_SLACK_TOKENS <= budget.output_reserve:
+    after its n tool results. The spare, and the `tail` a costlier secret's prefix may add (`costliest_prefix`), are
+    taken off the window, so the builder yields for them as it would for a real turn's extra tokens, and a larger
+    window never takes less."""
+    spare = ROOM_SLACK_TOKENS + tail
+    if window - spare <= budget.output_reserve:
         return False
-    budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window - ROOM_SLACK_TOKENS})
+    budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window - spare})
     pairs: list[HistoryItem] = []
     for i in range(n):
         pairs.append(ToolCall(id=f"c{i}", seq=2 + 2 * i, call_id=f"v{i}", tool_name="tool", arguments={"q": "x" * 40}))
@@ -201,19 +224,20 @@ def min_window(
     n: int,
     *,
     secret: bytes = _VALIDATE_SECRET,
+    tail: int = 0,
 ) -> int:
     """The smallest context window at which a configuration with the route's `budget` takes a turn with a message
     of `message_tokens` tokens and `n` tool results (its output reserve included), by bisection: a larger window
     never fits less. -1 when no window up to FLOOR_SEARCH_LIMIT does."""
     message = " ".join(["word"] * message_tokens)
     low, high = budget.output_reserve + 1, max(budget.output_reserve + 2, 1 << 16)
-    while not _takes_turn(budget, prefix, estimator, high, message, n, secret):
+    while not _takes_turn(budget, prefix, estimator, high, message, n, secret, tail):
         high *= 2
         if high > FLOOR_SEARCH_LIMIT:
             return -1
     while low < high:
         mid = (low + high) // 2
-        if _takes_turn(budget, prefix, estimator, mid, message, n, secret):
+        if _takes_turn(budget, prefix, estimator, mid, message, n, secret, tail):
             high = mid
         else:
             low = mid + 1

@@ -209,7 +209,7 @@ class TestValidateFloor:
         loose = report  # the prefix is measured the same way validate measures it
         assert loose["floor_for"] == {"message_tokens": 300, "tool_results": 4}
         tools = [t for t in validate_prefix_tools(open_)]
-        prefix, secret = costliest_prefix(  # the prefix validate measures the floor on
+        prefix, secret, tail = costliest_prefix(  # the prefix validate measures the floor on, and its tail
             PrefixInputs(
                 platform_policy=open_.platform_policy, agent_instructions=open_.agent_instructions, tools=tools
             ),
@@ -218,8 +218,9 @@ class TestValidateFloor:
         )
         message = " ".join(["word"] * 300)
         budget = open_.context_budget(estimator.profile)
-        assert _takes_turn(budget, prefix, estimator, floor, message, 4, secret)
-        assert not _takes_turn(budget, prefix, estimator, floor - 1, message, 4, secret)
+        assert tail > 0  # a costlier secret's prefix has room too
+        assert _takes_turn(budget, prefix, estimator, floor, message, 4, secret, tail)
+        assert not _takes_turn(budget, prefix, estimator, floor - 1, message, 4, secret, tail)
 
     def test_more_tool_results_need_a_larger_window(self) -> None:
         """The floor grows with the number of tool results, and the CLI prints it per route."""
