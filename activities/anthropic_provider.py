@@ -217,7 +217,7 @@ class AnthropicProvider:
         # Given with every call: without it the SDK refuses, before sending, a call without streaming whose
         # `max_tokens` it expects to take over 10 minutes (an output reserve of about 21,334 or more). No read timeout
         # of the SDK's own (600 s): the model call cuts the call at its `timeouts.model_seconds` (`within_attempt`).
-        self.call_timeout = anthropic.Timeout(timeout, connect=5.0)
+        self.call_timeout = anthropic.Timeout(timeout, connect=5.0 if timeout is None else min(5.0, timeout))
 
     async def aclose(self) -> None:
         """Close the SDK client's connections (the worker does, when it stops)."""

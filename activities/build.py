@@ -163,9 +163,9 @@ class BuildActivities(BuildCalls):
         if stored:
             await store.drop_unsent_record(inp.session_id, inp.turn, inp.call_index)
         raise ApplicationError(
-            f"turn {inp.turn}: update id {inp.update_id!r} was turn {logged_by}'s, whose answer this session no "
-            f"longer carries (it carries its last {RECENT_UPDATES} turns' answers across continue-as-new): nothing "
-            "was appended; send a new turn with a new update id",
+            f"update id {inp.update_id!r} was turn {logged_by}'s, whose answer this session no longer carries (it "
+            f"carries at most its last {RECENT_UPDATES} answers across continue-as-new, fewer when they are large): "
+            "nothing was appended; send a new turn with a new update id",
             {"update_id": inp.update_id, "turn": logged_by},
             type=UPDATE_ID_REUSED,
             non_retryable=True,

@@ -471,7 +471,7 @@ class OpenAIProvider:
         self.client = openai.AsyncOpenAI(**options)
         self._counter = counter
         # No read timeout of the SDK's own (600 s): the model call cuts the call at its `timeouts.model_seconds`.
-        self.call_timeout = openai.Timeout(timeout, connect=5.0)
+        self.call_timeout = openai.Timeout(timeout, connect=5.0 if timeout is None else min(5.0, timeout))
 
     async def aclose(self) -> None:
         """Close the SDK client's connections (the worker does, when it stops)."""

@@ -63,6 +63,7 @@ class UnloggedRuns:
 
     def keep(self, key: tuple[str, str], ran: ToolOutput | _Outcome) -> None:
         now = time.monotonic()
+        self._runs.pop(key, None)  # kept again: at the end, with the others in the order they were kept
         self._runs[key] = (now, ran)
         while self._runs and (len(self._runs) > self.kept or now - next(iter(self._runs.values()))[0] > self.ttl_s):
             self._runs.popitem(last=False)
@@ -240,11 +241,11 @@ class ToolCallActivities(ToolCalls):
             update = WorkingStateUpdate.model_validate(inp.call.arguments)
         except ValueError as exc:
             return f"error: invalid working state update: {exc}", TrustLevel.TOOL, True, None
+        if await store.has_working_state_write(inp.session_id, inp.call.item_id):
+            return "working state updated", TrustLevel.TOOL, False, None  # a retry after the write
         problem = write_problem(update)
         if problem is not None:
             return f"error: invalid working state update: {problem}", TrustLevel.TOOL, True, None
-        if await store.has_working_state_write(inp.session_id, inp.call.item_id):
-            return "working state updated", TrustLevel.TOOL, False, None  # a retry after the write
         open_, secret, cache = await state.session(inp.session_id)
         prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
         estimator = TokenEstimator(await state.profile(profile), state.counter(profile.encoding))

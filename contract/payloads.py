@@ -242,7 +242,6 @@ class SessionOpen(_Input):
         except ValidationError as exc:
             if _as_written_before(window, budget):
                 return budget
-
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])
             field = f"budget.{loc}" if loc else "budget (with the route's context_window)"

@@ -64,6 +64,7 @@ SA_PREFIX = SearchAttributeKey.for_keyword(names.SA_PREFIX_HASH)
 PATCH_FAILED_TURN = "failed-turn-sealed"
 PATCH_TURN_IN_CHILD = "long-run-turn-in-child"
 PATCH_CLOSE_ONCE = "close-once"
+PATCH_REFUSE_CARRIED_START = "refuse-carried-start"
 PATCH_SEAL_BRIEFLY = "seal-failed-turn-briefly"  # a failed turn is sealed with SEAL_RETRY, not RETRY
 PATCH_FINISHED_CHILD = "forward-to-finished-child"  # a change that finds its child run finished fails nothing
 PATCH_EARLY_TOOL_NAMES = "early-tool-names-checked"  # names sent before the open are checked once it opens
@@ -122,7 +123,12 @@ class SessionWorkflow:
     @workflow.init
     def __init__(self, start: RawValue = NO_START_INPUT) -> None:
         open_ = _start_input(start)
-        if isinstance(open_, SessionOpen) and _carries(open_) and workflow.info().continued_run_id is None:
+        if (
+            isinstance(open_, SessionOpen)
+            and _carries(open_)
+            and workflow.info().continued_run_id is None
+            and workflow.patched(PATCH_REFUSE_CARRIED_START)  # a run started so before this check goes on as it did
+        ):
             # What a run carries is handed over by continue-as-new only: a start that sends it would skip the open
             # (and its refusal of a used session id) and take up a closed session's state.
             open_ = ApplicationError(
@@ -723,7 +729,9 @@ class SessionWorkflow:
                 f"close_session: the session is already {already}", type="SessionNotOpen", non_retryable=True
             )
         if self.state.status == "failed":
-            raise _refused("close_session: the session failed to open")
+            raise ApplicationError(
+                "close_session: the session failed to open", type="SessionNotOpen", non_retryable=True
+            )
 
     def _validate_open(self) -> None:
         # Typed, so a caller tells "start a new session" from malformed input (docs/contract.md).
@@ -830,7 +838,8 @@ def _carries(open_: SessionOpen) -> bool:
 def _start_input(start: RawValue) -> SessionOpen | Exception:
     """The start input as a SessionOpen, or the error the run fails with: pydantic's ValidationError (it names the
     field) or a typed, non-retryable InvalidSessionOpen naming what arrived instead."""
-    if not start.payload.metadata or start.payload.data.strip() == b"null":  # none, or JSON null (the CLI's)
+    json_null = start.payload.metadata.get("encoding") == b"json/plain" and start.payload.data.strip() == b"null"
+    if not start.payload.metadata or json_null:  # none, or JSON null (the stock CLI's `--input null`)
         return ApplicationError(
             "start input: none was sent; send one SessionOpen", type="InvalidSessionOpen", non_retryable=True
         )

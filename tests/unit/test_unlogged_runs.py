@@ -26,11 +26,15 @@ def test_a_run_is_a_session_s_own() -> None:
 
 
 def test_at_most_kept_runs_the_oldest_out_first() -> None:
+    """Past `kept` runs the oldest kept goes first; a run kept again counts from then."""
     runs = UnloggedRuns(kept=3)
     for n in range(5):
         runs.keep(("s", f"t{n}.m0.call0"), _out(str(n)))
     assert len(runs) == 3
     assert [runs.get(("s", f"t{n}.m0.call0")) is not None for n in range(5)] == [False, False, True, True, True]
+    runs.keep(("s", "t2.m0.call0"), _out("2 again"))  # the oldest kept, kept again: now the newest
+    runs.keep(("s", "t5.m0.call0"), _out("5"))
+    assert runs.get(("s", "t3.m0.call0")) is None and runs.get(("s", "t2.m0.call0")) == _out("2 again")
 
 
 def test_a_run_is_kept_for_its_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
