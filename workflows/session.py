@@ -554,7 +554,8 @@ class SessionWorkflow:
             try:
                 opened = await self._open(epoch=new, reason=req.reason, revoked=removed, open_=new_open)
             except ActivityError as exc:
-                raise _retyped(exc, "RotationRefused")  # noqa: B904 (_retyped chains a new error to exc, never exc to itself)
+                # Whatever the open refused it for (RotationRefused, ProviderNotConfigured, InvalidSessionOpen), typed.
+                raise _retyped(exc, None)  # noqa: B904 (_retyped chains a new error to exc, never exc to itself)
             self.open = new_open
             self.state.model_route = new_open.route
             self.state.removed_tools = removed
@@ -856,7 +857,7 @@ def _start_input(start: RawValue) -> SessionOpen | Exception:
     return ApplicationError(f"start input: {what}"[:500], type="InvalidSessionOpen", non_retryable=True)
 
 
-def _retyped(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
+def _retyped(exc: ActivityError | ChildWorkflowError, type_: str | None) -> Exception:
     """`exc` as `_typed` makes it, chained to it when it is a new error (never to itself: a failure whose cause
     is itself would send the failed-turn handler round a cycle)."""
     typed = _typed(exc, type_)
@@ -865,12 +866,15 @@ def _retyped(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
     return typed
 
 
-def _typed(exc: ActivityError | ChildWorkflowError, type_: str) -> Exception:
-    """An activity's (or a child run's activity's) typed failure of this type, re-raised as the update's own
-    ApplicationError (type and details intact), so the caller sees it directly; any other failure unchanged."""
+def _typed(exc: ActivityError | ChildWorkflowError, type_: str | None) -> Exception:
+    """An activity's (or a child run's activity's) typed failure of this type (None: of any type, when it is
+    non-retryable: a refusal), re-raised as the update's own ApplicationError (type and details intact), so the
+    caller sees it directly; any other failure unchanged."""
     cause: BaseException | None = exc.cause
     while isinstance(cause, ActivityError | ChildWorkflowError):
         cause = cause.cause
-    if isinstance(cause, ApplicationError) and cause.type == type_:
-        return ApplicationError(cause.message, *caller_details(cause.details), type=type_, non_retryable=True)
+    if not isinstance(cause, ApplicationError) or not cause.type:
+        return exc
+    if cause.type == type_ or (type_ is None and cause.non_retryable):
+        return ApplicationError(cause.message, *caller_details(cause.details), type=cause.type, non_retryable=True)
     return exc

@@ -225,8 +225,9 @@ async def test_a_route_to_a_provider_without_its_key_is_refused_at_open_and_at_r
         await turn(handle, "hello")
         with pytest.raises(WorkflowUpdateFailedError) as refused:
             await _update(handle, names.UPDATE_ROTATE_EPOCH, {"reason": "model_route_changed", "model_route": route})
-        failure = first_typed_cause(refused.value)
-        assert failure is not None and failure.type == "ProviderNotConfigured" and unset in failure.message
+        failure = refused.value.cause  # typed at the top, as any refusal: not an activity error over it
+        assert isinstance(failure, ApplicationError) and failure.type == "ProviderNotConfigured", failure
+        assert unset in failure.message and failure.non_retryable
         state = SessionState.model_validate(await handle.query(names.QUERY_STATE))
         assert state.epoch == 1 and state.model_route.provider == "scripted"
         assert (await turn(handle, "still here")).turn == 2
