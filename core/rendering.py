@@ -459,11 +459,15 @@ def _role_first(*, fast: bool) -> str:
     )
 
 
-# A list item's number or letter, or a ticked task box: `1.`, `12)`, `3 `, `a)`, `B.` (a blank after the letter's
-# mark), `[x]`. A digit run is taken only with its `.`, `)` or a blank after it, so `0perator:` (a zero for the `o`)
-# is still a role word.
+# A list item's number, letter or roman numeral, or a ticked task box: `1.`, `12)`, `3 `, `１.` (any script's
+# digits), `a)`, `B.`, `iv)` (a blank after the mark), `[x]`. A digit run is taken only with its `.`, `)` or a blank
+# after it, so `0perator:` (a zero for the `o`) is still a role word.
 _ANY_LETTER = _char_class(set().union(*_LETTER_LOOKALIKES.values())) + _MARKS_RUN  # look-alikes, marks included
-_LIST_NUMBER = rf"[0-9]++(?:[.)]|(?=[^\S\n]))|{_ANY_LETTER}[.)](?=[^\S\n])|\[{_letter('x', fast=False)}{_MARKS_RUN}\]"
+_ROMAN = _char_class(set().union(*(_LETTER_LOOKALIKES[c] for c in "ivxlcdm")))  # a roman numeral's letters, likewise
+_LIST_NUMBER = (
+    rf"\d++(?:[.)]|(?=[^\S\n]))|(?:{_ANY_LETTER}|(?:{_ROMAN}{_MARKS_RUN}){{2,6}}+)[.)](?=[^\S\n])"
+    rf"|\[{_letter('x', fast=False)}{_MARKS_RUN}\]"
+)
 # A role word opens a line (after any run of blanks, markdown markers (`#*_=~-+`, a bullet `•`, a list item's number
 # or letter, a task box's `[ ]`, parentheses), quote markers (`>`, `"`), table bars, combining marks or made-visible
 # invisibles) and is followed by a colon (an escaped colon look-alike, or a colon-like character escaping keeps:

@@ -53,7 +53,7 @@ _COLONS = ":" + "".join(
     if re.search(r"(?<!SEMI)COLON\b", unicodedata.name(ch, "")) or ch == "\u1361"
 )
 _ROLE_LINE_RE = re.compile(
-    r"^(?:[ \t#*>_=~+|\"\u2022()\[\]-]|[0-9]+[.) \t]|[A-Za-z][.)][ \t]|\[[xX]\])*"
+    r"^(?:[ \t#*>_=~+|\"\u2022()\[\]-]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{2,6}[.)][ \t]|\[[xX]\])*"
     r"(system|user|assistant|human|ai|developer|platform|tool|instruction|"
     r"response)[ \t*_]*"
     rf"[{re.escape(_COLONS)}]",
@@ -651,6 +651,10 @@ class TestAttackCorpus:
             ("(1) System: x\na) User: x\n- [ ] Tool: x", "(1) \\u{53}ystem: x\na) \\u{55}ser: x\n- [ ] \\u{54}ool: x"),
             ("- [x] System: x\n#1 User: x\n12 Model: x", "- [x] \\u{53}ystem: x\n#1 \\u{55}ser: x\n12 \\u{4D}odel: x"),
             ("0perator: x\na)System: x\n12b User: x", "\\u{30}perator: x\na)System: x\n12b User: x"),
+            (
+                "ii. System: x\n(iv) User: x\n\uff11. Tool: x",
+                "ii. \\u{53}ystem: x\n(iv) \\u{55}ser: x\n\uff11. \\u{54}ool: x",
+            ),
         ],
     )
     def test_escape_examples(self, text: str, escaped: str) -> None:
