@@ -55,7 +55,6 @@ from workflows.child_run import ChildRunWorkflow, caller_details, first_typed_ca
 from workflows.retry_policies import RETRY, SEAL_RETRY
 from workflows.turn import TurnRunner
 
-RECENT_UPDATES = bounds.RECENT_UPDATES  # turn results remembered, by update id, across continue-as-new
 SA_TURNS_EVERY = 10
 SA_EPOCH = SearchAttributeKey.for_int(names.SA_EPOCH)
 SA_TURNS = SearchAttributeKey.for_int(names.SA_TURNS)
@@ -618,9 +617,9 @@ class SessionWorkflow:
         return workflow.current_update_info().id in self.applied  # type: ignore[union-attr]
 
     def _mark_applied(self) -> None:
-        """Remember this update's id, across continue-as-new too: the last RECENT_UPDATES ids are kept."""
+        """Remember this update's id, across continue-as-new too: the last bounds.RECENT_UPDATES ids are kept."""
         self.applied[workflow.current_update_info().id] = None  # type: ignore[union-attr]
-        while len(self.applied) > RECENT_UPDATES:
+        while len(self.applied) > bounds.RECENT_UPDATES:
             del self.applied[next(iter(self.applied))]
 
     def _check_pinned(self, update: str, tools: list[str]) -> None:
@@ -813,7 +812,7 @@ def bound_answers(
     failures: dict[str, TurnFailure],
     sizes: dict[str, int],
     *,
-    count: int = RECENT_UPDATES,
+    count: int = bounds.RECENT_UPDATES,
     max_bytes: int = bounds.CARRIED_RESULTS_BYTES,
 ) -> None:
     """Trim the recent answers a session carries across continue-as-new, in place: at most `count` results and as
