@@ -68,6 +68,7 @@ PATCH_SEAL_BRIEFLY = "seal-failed-turn-briefly"  # a failed turn is sealed with 
 PATCH_FINISHED_CHILD = "forward-to-finished-child"  # a change that finds its child run finished fails nothing
 PATCH_EARLY_TOOL_NAMES = "early-tool-names-checked"  # names sent before the open are checked once it opens
 PATCH_FAILED_CHILD_METRICS = "failed-child-metrics"  # a failed child run's metrics are taken
+PATCH_ANSWER_BEFORE_FAILING = "answer-updates-before-failing"  # a run that fails answers the updates it accepted
 # The failure type of a signal to a workflow that has closed (or never existed): sdk-core's failure for the
 # `SignalExternalWorkflowExecutionFailed` event.
 CHILD_GONE = "ExternalWorkflowExecutionNotFound"
@@ -162,6 +163,7 @@ class SessionWorkflow:
         self.lock = asyncio.Lock()
         self.ready = carried is not None or self.refused is not None
         self.closing = False
+        self.open_failure: str | None = None  # why the open failed, for the updates the run had accepted
         self.turns_at_start = self.state.turns
         self.published: tuple[int, str, int] | None = None
         self.child: workflow.ChildWorkflowHandle[ChildRunWorkflow, ChildRunResult] | None = None
@@ -171,6 +173,7 @@ class SessionWorkflow:
     async def run(self, start: RawValue = NO_START_INPUT) -> SessionState:
         """Start input: one SessionOpen (its `carried` is the state a continue-as-new hands to the next run)."""
         if self.refused is not None:
+            await self._answer_accepted_updates()
             raise self.refused
         if not self.continued:
             try:
@@ -178,12 +181,15 @@ class SessionWorkflow:
             except ActivityError as exc:
                 self.state.status = "failed"
                 cause = exc.cause if isinstance(exc.cause, ApplicationError) else None
-                raise ApplicationError(
+                failure = ApplicationError(
                     f"session failed to open: {cause.message if cause else exc}",
                     *(cause.details if cause else ()),
                     type=cause.type if cause else "SessionOpenFailed",
                     non_retryable=True,
-                ) from exc
+                )
+                self.open_failure = failure.message
+                await self._answer_accepted_updates()
+                raise failure from exc
             self.state.pinned_tools = opened.pinned_tools
             self.state.search_attributes = opened.search_attributes
             self.state.prefix_hashes = {"1": [opened.prefix_sha256]}
@@ -204,6 +210,23 @@ class SessionWorkflow:
                 }
             )
         )
+
+    async def _answer_accepted_updates(self) -> None:
+        """Before a run fails, the updates it accepted while it opened are answered (SessionNotOpen, `_opened`).
+        Before, the run failed with them unanswered: their callers got "workflow execution already completed", an
+        RPC error that is no update's answer, and Temporal warned of unfinished handlers."""
+        if workflow.patched(PATCH_ANSWER_BEFORE_FAILING):
+            self.ready = True
+            await workflow.wait_condition(workflow.all_handlers_finished)
+
+    async def _opened(self) -> None:
+        """An update waits until the session has opened; one the run accepted before it failed to open is refused."""
+        await workflow.wait_condition(lambda: self.ready)
+        if self.state.status == "failed":
+            because = f": {self.open_failure}" if self.open_failure else ""
+            raise ApplicationError(
+                f"the session failed to open{because}; start a new session", type="SessionNotOpen", non_retryable=True
+            )
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():
@@ -233,7 +256,7 @@ class SessionWorkflow:
         failed = self.failures.get(update_id)
         if failed is not None:  # a turn that failed in an earlier run: the same answer, not a new turn
             raise ApplicationError(failed.message, *failed.details, type=failed.type, non_retryable=True)
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         async with self.lock:
             if self.state.status != "open":
                 raise ApplicationError(
@@ -402,7 +425,7 @@ class SessionWorkflow:
     async def revoke_tool(self, req: RevokeTool | None = None) -> SessionState:
         req = _given(req, "revoke_tool", RevokeTool)
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         if self._applied_before():
             return self.state
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
@@ -429,7 +452,7 @@ class SessionWorkflow:
         """Authorisation changes at call time both ways (ADR-0020 decision 4): the prefix is untouched."""
         req = _given(req, "grant_tool", GrantTool)
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         if self._applied_before():
             return self.state
         self._check_grantable(req.name)
@@ -466,7 +489,7 @@ class SessionWorkflow:
         """Runtime writes to the working state (ADR-0020 decision 14), between turns: serialised with them."""
         req = _given(req, "update_working_state", WorkingStateUpdate)
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         async with self.lock:
             if self.state.status != "open":
@@ -508,7 +531,7 @@ class SessionWorkflow:
     async def delete_memory(self, req: DeleteMemory | None = None) -> MemoryDeleted:
         req = _given(req, "delete_memory", DeleteMemory)
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
             result: MemoryDeleted = await workflow.execute_activity_method(
@@ -539,7 +562,7 @@ class SessionWorkflow:
     async def rotate_epoch(self, req: RotateEpoch | None = None) -> SessionState:
         req = _given(req, "rotate_epoch", RotateEpoch)
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         if self._applied_before():
             return self.state
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
@@ -635,7 +658,7 @@ class SessionWorkflow:
     async def write_memory(self, req: WriteMemory | None = None) -> MemoryResult:
         req = _given(req, "write_memory", WriteMemory)
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         update_id = workflow.current_update_info().id  # type: ignore[union-attr]
         try:
             return await self._write_memory(req, update_id)
@@ -675,7 +698,7 @@ class SessionWorkflow:
     async def close_session(self, req: CloseSession | None = None) -> SessionState:
         req = _given(CloseSession() if req is None else req, "close_session", CloseSession)  # none: the defaults
         self.updates_this_run += 1
-        await workflow.wait_condition(lambda: self.ready)
+        await self._opened()
         # Two closes accepted in one workflow task both pass the validator: only the first closes.
         if self.closing and workflow.patched(PATCH_CLOSE_ONCE):
             raise ApplicationError(

@@ -134,20 +134,35 @@ async def test_a_session_with_room_for_a_short_turn_opens(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
     """The open check asks for room for a one-word message, not the 256 tokens a rotation must leave: a prefix that
-    leaves room for short turns only (validate's floor says so) opens and answers one."""
-    async with stack(temporal_client, pg_dsn, task_queue):
-        handle = await start(
-            temporal_client,
-            task_queue,
-            session_open(
-                agent_instructions="rule " * 850,
-                model_route={"provider": "scripted", "model": "scripted-1", "context_window": 3_200},
-                budget={"output_reserve": 256},
-            ),
+    leaves room for short turns only opens and answers one. The window is validate's floor for a one-word turn,
+    below its floor for a 256-token one. (Before, the window was a fixed 3,200 tokens, which 10 of 200 secrets'
+    prefixes left no room at: the test failed one run in 20, a session failing at open.)"""
+    from activities.tokens import TiktokenCounter
+    from ctxengine.operator_tools import validate_config
+
+    def config(window: int) -> SessionOpen:
+        return session_open(
+            agent_instructions="rule " * 850,
+            model_route={"provider": "scripted", "model": "scripted-1", "context_window": window},
+            budget={"output_reserve": 256},
         )
-        answered = await turn(handle, "hi")
-        assert answered.plan.status.value == "fits"
-        assert answered.plan.input_limit - answered.plan.estimated_tokens < 256  # a 256-token message would not fit
+
+    counter = TiktokenCounter()
+
+    def floor(message_tokens: int) -> int:
+        report = validate_config(
+            config(8_000), config(8_000).route, lambda _: counter, message_tokens=message_tokens, tool_results=0
+        )
+        return int(report["min_context_window"])
+
+    window = floor(1)
+    assert window < floor(256)
+    async with stack(temporal_client, pg_dsn, task_queue):
+        for _ in range(3):
+            handle = await start(temporal_client, task_queue, config(window))
+            answered = await asyncio.wait_for(turn(handle, "hi"), timeout=60)  # none if it failed to open
+            assert answered.plan.status.value == "fits"
+            assert answered.plan.input_limit - answered.plan.estimated_tokens < 256  # a 256-token message would not fit
 
 
 async def test_a_session_that_could_not_answer_hi_fails_at_open(

@@ -478,6 +478,70 @@ async def test_tool_names_sent_before_the_session_opened_are_checked(
             assert (await turn(handle, "hello")).turn == 1
 
 
+async def test_updates_sent_before_a_failed_open_are_answered_typed(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A turn, a memory write or a working-state write that reaches a session before its open fails (update with
+    start; the open refuses its route, or the start input is refused) is answered SessionNotOpen, naming why, and
+    the run fails as before. Before, the run failed with the update unanswered: its caller got an RPC error that is
+    no update's answer ("workflow execution already completed"), and Temporal warned of an unfinished handler (an
+    error in this suite, where the run's task failed over and over: the CI run that timed out after 240 s)."""
+    from temporalio.client import WithStartWorkflowOperation
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from contract.payloads import TurnInput, WorkingStateUpdate, WriteMemory
+
+    scope = f"failed-open-{uuid.uuid4().hex[:8]}"
+    too_big = session_open(
+        memory_scope=scope,
+        agent_instructions="rule " * 3_300,
+        model_route={"provider": "scripted", "model": "scripted-1", "context_window": 4_096},
+        budget={"output_reserve": 256},
+    )
+    carried = session_open(memory_scope=scope).model_copy(
+        update={"carried_update_ids": ["forged"]}
+    )  # a start input refused
+    updates = [
+        (names.UPDATE_SUBMIT_TURN, TurnInput(text="hi")),
+        (names.UPDATE_WRITE_MEMORY, WriteMemory(text="a fact")),
+        (
+            names.UPDATE_WORKING_STATE,
+            WorkingStateUpdate.model_validate({"operations": [{"op": "add_fact", "text": "x"}]}),
+        ),
+    ]
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        for start_input, why, failed_as in (
+            (too_big, "no turn could be answered", "RouteDoesNotFit"),
+            (carried, "carried", "InvalidSessionOpen"),
+        ):
+            for name, arg in updates:
+                operation = WithStartWorkflowOperation(
+                    names.WORKFLOW_SESSION,
+                    start_input,
+                    id=f"failed-open-{uuid.uuid4().hex[:8]}",
+                    task_queue=task_queue,
+                    id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                )
+                with pytest.raises(WorkflowUpdateFailedError) as info:
+                    await asyncio.wait_for(
+                        temporal_client.execute_update_with_start_workflow(
+                            name, arg, start_workflow_operation=operation
+                        ),
+                        timeout=60,
+                    )
+                cause = info.value.cause
+                assert isinstance(cause, ApplicationError), cause
+                handle = await operation.workflow_handle()
+                with pytest.raises(WorkflowFailureError) as failed:
+                    await asyncio.wait_for(handle.result(), timeout=60)
+                assert isinstance(failed.value.cause, ApplicationError) and failed.value.cause.type == failed_as
+                if start_input is too_big:  # refused once the open failed, naming why
+                    assert cause.type == "SessionNotOpen" and why in cause.message, cause
+                else:  # refused by the validator already (the start input was refused in the run's first task)
+                    assert cause.type == "SessionNotOpen", cause
+                assert "a fact" not in await store.memory_texts(scope)  # nothing written for a session that failed
+
+
 async def test_a_rotation_to_a_route_the_budget_does_not_fit_is_refused_at_once(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
