@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.lifecycle import seal_orphans
-from activities.minimum_body import turn_too_large
+from activities.minimum_body import check_fits_escalated, turn_too_large
 from activities.rows import TurnReads
 from activities.session_state import (
     RECALL_LIMIT,
@@ -37,8 +37,8 @@ from core.compaction import Checkpoint
 from core.errors import ContextError, TurnTooLargeError
 from core.estimator import TokenEstimator
 from core.explain import first_difference
-from core.items import Region, TrustLevel, parse_history_item
-from core.plan import ContextPlan
+from core.items import Region, TrustLevel, UserMessage, parse_history_item
+from core.plan import ContextPlan, PlanStatus
 from core.rendering import ESCAPING_FINGERPRINT
 from core.working_state import holds_tainted, render
 
@@ -223,6 +223,8 @@ class BuildActivities(BuildCalls):
         body = body_inputs(logged, checkpoint, ri)
         try:
             plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=renders)
+            if isinstance(turn_message, UserMessage) and plan.status is PlanStatus.NEEDS_COMPACTION:
+                check_fits_escalated(prefix, turn_message, ri, estimator, secret)
         except TurnTooLargeError as exc:
             raise turn_too_large(exc, logged=not message) from exc
         except ContextError as exc:

@@ -19,7 +19,7 @@ from core.compaction import MAX_ESCALATION_REFS, Checkpoint, escalation_checkpoi
 from core.errors import RouteDoesNotFitError, TurnTooLargeError
 from core.estimator import ModelProfile, TokenEstimator
 from core.items import UserMessage
-from core.plan import ContextPlan
+from core.plan import ContextPlan, PlanStatus
 from core.working_state import render
 
 # A rotation must leave room for a message of this many tokens beside the minimum body; an open, for one word.
@@ -93,23 +93,7 @@ async def working_state_cap(
     """The tokens a working-state write may leave the block at: the budget's cap, and no more than leaves room
     for a message of ROUTE_CHECK_MESSAGE_TOKENS beside the prefix, the corrections and the clock (as a rotation
     must): a block that filled its fixed cap on a small window would leave no turn room to fit."""
-    # Beside the largest checkpoint a turn's body can carry once nothing is left to compact: an escalation's
-    # references (its pointers drop under pressure), with ids and positions as long as a long session's.
-    stand_in = Checkpoint(
-        checkpoint_id=f"cp-{_CHECK_SEQ}-e{_CHECK_SEQ}",
-        depth=2,
-        covers_from_seq=0,
-        covers_to_seq=_CHECK_SEQ - 1,
-        summary="",
-    )
-    checkpoint = escalation_checkpoint(
-        [],
-        current=stand_in,
-        keep_from_seq=_CHECK_SEQ,
-        checkpoint_id=stand_in.checkpoint_id,
-        ancestors=[f"cp-{_CHECK_SEQ + n}-e{_CHECK_SEQ}" for n in range(MAX_ESCALATION_REFS + 1)],
-        count=estimator.counter.count,
-    )
+    checkpoint = escalation_stand_in(estimator)
     try:
         plan = await _build_minimum(
             state,
@@ -126,6 +110,48 @@ async def working_state_cap(
         return 0
     room = budget.input_limit - plan.estimated_tokens - ROOM_SLACK_TOKENS
     return max(0, min(budget.working_state_tokens, room))
+
+
+def escalation_stand_in(estimator: TokenEstimator) -> Checkpoint:
+    """The largest checkpoint a turn's body can carry once nothing is left to compact: an escalation's references
+    (its pointers drop under pressure), with ids, positions and counts as long as a long session's."""
+    stand_in = Checkpoint(
+        checkpoint_id=f"cp-{_CHECK_SEQ}-e{_CHECK_SEQ}",
+        depth=2,
+        covers_from_seq=0,
+        covers_to_seq=_CHECK_SEQ - 3,
+        summary="",
+    )
+    span = [UserMessage(id=f"u:{n}", seq=_CHECK_SEQ - n, text="-") for n in (2, 1)]  # named as "items a..b"
+    return escalation_checkpoint(
+        span,
+        current=stand_in,
+        keep_from_seq=_CHECK_SEQ,
+        checkpoint_id=stand_in.checkpoint_id,
+        ancestors=[f"cp-{_CHECK_SEQ + n}-e{_CHECK_SEQ}" for n in range(MAX_ESCALATION_REFS + 999)],
+        count=estimator.counter.count,
+    )
+
+
+def check_fits_escalated(
+    prefix: FrozenPrefix, message: UserMessage, ri: RequestInputs, estimator: TokenEstimator, secret: bytes
+) -> None:
+    """A new turn's message must fit as the minimum body beside the escalation checkpoint it would end up with
+    (`escalation_stand_in`), or TurnTooLargeError is raised before the message is logged. Asked when its first
+    build needs compaction: before, a message that fit beside the prefix alone was logged, compacted, escalated,
+    and then failed in the child run, ContextNeedsCompaction, some tokens short beside the escalation's references
+    (how many depended on the session's secret: the same turn was answered or failed)."""
+    minimum = ri.model_copy(update={"call_index": 0, "max_seq": _CHECK_SEQ, "user_item_id": message.id, "recall": []})
+    at_end = message.model_copy(update={"seq": _CHECK_SEQ})  # past the stand-in's positions, as the id is the turn's
+    body = body_inputs([at_end], escalation_stand_in(estimator), minimum)
+    plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)  # raises TurnTooLargeError
+    if plan.status is PlanStatus.FITS:
+        return
+    reserve = plan.prefix_tokens + plan.prefix_margin_tokens
+    classes = {name: n for name, n in plan.tokens_by_class.items() if name not in prefix.class_tokens}
+    raise TurnTooLargeError(
+        classes, ri.budget.input_limit - reserve, prefix_tokens=reserve, input_limit=ri.budget.input_limit
+    )
 
 
 def turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:

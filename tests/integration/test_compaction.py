@@ -213,20 +213,40 @@ async def test_memo_holds_what_the_checkpoint_does_not_cover(
 async def test_failed_compaction_does_not_poison_later_ones(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
-    """A turn that fits only as the minimum body is answered through escalation; one that cannot fit at all fails
-    alone (TurnTooLarge); later turns still compact under new ids."""
+    """A turn that cannot fit at all fails alone (TurnTooLarge, nothing logged); so does one that fits beside the
+    prefix but not beside the escalation checkpoint it would end up with (before, it was logged, escalated, and failed
+    in the child run, ContextNeedsCompaction, a few tokens short: one run in five of this test); a turn that fits only
+    as the minimum body is answered through escalation; later turns still compact under new ids. Each message is
+    sized from the room the previous refusal names, so the secret's nonces move no turn across an edge."""
+
+    async def too_large(text: str) -> dict[str, Any]:
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await turn(handle, text)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "TurnTooLarge", cause
+        sizes: dict[str, Any] = cause.details[0]
+        assert sizes["logged"] is False and sizes["minimum_body_tokens"] + sizes["prefix_tokens"] > sizes["input_limit"]
+        return sizes
+
+    def room(sizes: dict[str, Any], words: int) -> int:
+        """The words of "detail " a message may hold beside what `sizes` names, but for its envelope."""
+        envelope = sizes["message_tokens"] - words
+        rest = sizes["minimum_body_tokens"] - sizes["message_tokens"]
+        return sizes["input_limit"] - sizes["prefix_tokens"] - rest - envelope
+
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
         for i in range(6):
             await turn(handle, f"message {i}: " + "context " * 150)
-        from temporalio.client import WorkflowUpdateFailedError
-        from temporalio.exceptions import ApplicationError
-
-        await turn(handle, "too long for anything beside it: " + "detail " * 2_250)
-        with pytest.raises(WorkflowUpdateFailedError) as info:
-            await turn(handle, "too long: " + "detail " * 4_000)
-        cause = info.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == "TurnTooLarge"
+        alone = room(await too_large("x: " + "detail " * 4_000), 4_000)  # beside the prefix alone
+        edge = alone - 30
+        escalated = room(await too_large("x: " + "detail " * edge), edge)  # beside an escalation's references
+        assert 30 < alone - escalated < 200
+        before = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        answered = await turn(handle, "x: " + "detail " * (escalated - 30))
+        assert answered.plan.status.value == "fits"
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.turns == before.turns + 1 and state.metrics.escalations >= 1
         for i in range(12):
             await turn(handle, f"later {i}: " + "context " * 150)
         ids = [c["checkpoint_id"] for c in await store.checkpoints(handle.id)]
