@@ -69,6 +69,7 @@ PATCH_FINISHED_CHILD = "forward-to-finished-child"  # a change that finds its ch
 PATCH_EARLY_TOOL_NAMES = "early-tool-names-checked"  # names sent before the open are checked once it opens
 PATCH_FAILED_CHILD_METRICS = "failed-child-metrics"  # a failed child run's metrics are taken
 PATCH_ANSWER_BEFORE_FAILING = "answer-updates-before-failing"  # a run that fails answers the updates it accepted
+PATCH_ROTATE_OPEN_ONLY = "rotate-open-session-only"  # a rotation that waited for a close's lock rotates nothing
 # The failure type of a signal to a workflow that has closed (or never existed): sdk-core's failure for the
 # `SignalExternalWorkflowExecutionFailed` event.
 CHILD_GONE = "ExternalWorkflowExecutionNotFound"
@@ -568,6 +569,14 @@ class SessionWorkflow:
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("rotate_epoch", req.revoke_tools)
         async with self.lock:
+            if self.state.status != "open" and workflow.patched(PATCH_ROTATE_OPEN_ONLY):
+                # Accepted beside a close that took the lock first: the session closed meanwhile. Before, the
+                # rotation then opened a new epoch of the closed session (a prefix stored, an event recorded).
+                raise ApplicationError(
+                    f"rotate_epoch: the session is {self.state.status}; start a new session",
+                    type="SessionNotOpen",
+                    non_retryable=True,
+                )
             old = self.state.epoch
             new = old + 1
             new_open = self.open.model_copy(update={"model_route": req.model_route}) if req.model_route else self.open

@@ -364,6 +364,35 @@ async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue
         assert state.status == "closed"
 
 
+async def test_a_rotation_accepted_beside_a_close_rotates_nothing(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """A close and a rotation that reach the session in one workflow task (sent while no worker polled) both pass
+    their validators; the close takes the lock first and closes the session, and the rotation is then answered
+    SessionNotOpen: no epoch 2, no prefix stored for it. Before, the rotation waited for the lock and then opened
+    a new epoch of the closed session."""
+    from contract.payloads import RotateEpoch
+
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue)
+        await turn(handle, "hello")
+    close = asyncio.create_task(handle.execute_update(names.UPDATE_CLOSE_SESSION, CloseSession()))
+    await asyncio.sleep(0.5)
+    rotate = asyncio.create_task(
+        handle.execute_update(names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="provider_routing_changed"))
+    )
+    await asyncio.sleep(0.5)
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        await asyncio.wait_for(close, timeout=60)
+        with pytest.raises(WorkflowUpdateFailedError) as info:
+            await asyncio.wait_for(rotate, timeout=60)
+        cause = info.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "SessionNotOpen", cause
+        state = await handle.query(names.QUERY_STATE, result_type=SessionState)
+        assert state.status == "closed" and state.epoch == 1 and state.metrics.epochs == 1
+        assert await store.get_prefix(handle.id, 2) is None
+
+
 async def test_worker_waits_for_postgres_at_start(
     temporal_client: Client, temporal_address: str, pg_restartable: Any, tmp_path: Any
 ) -> None:
