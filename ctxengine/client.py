@@ -52,6 +52,7 @@ from contract.payloads import (
     WorkingStateResult,
     WriteMemory,
 )
+from contract.retries import UPDATE_ID_REUSED
 from contract.settings import settings
 from core.working_state import WorkingStateUpdate, write_problem
 from ctxengine.inspection import inspect_session
@@ -117,6 +118,11 @@ class ValidationFailed(CtxEngineError):
     """Malformed input, rejected by the update's validator before anything ran."""
 
 
+class UpdateIdReused(CtxEngineError):
+    """The idempotency key (update id) named an earlier update this call is not a retry of: nothing was applied;
+    send it with a new key."""
+
+
 class SessionNotClosed(CtxEngineError):
     """Purge needs a closed session."""
 
@@ -138,7 +144,11 @@ ERROR_TYPES: dict[str, type[CtxEngineError]] = {
     "InvalidSessionOpen": ValidationFailed,
     "ModelRouteRequired": ValidationFailed,
     "InvalidInput": ValidationFailed,
+    UPDATE_ID_REUSED: UpdateIdReused,
 }
+
+
+_ENDED_MESSAGES = ("completed", "closing workflow")
 
 
 def map_failure(exc: BaseException) -> CtxEngineError:
@@ -147,7 +157,9 @@ def map_failure(exc: BaseException) -> CtxEngineError:
     if isinstance(exc, WorkflowAlreadyStartedError):
         return SessionIdTaken(f"session id {exc.workflow_id!r} was used before", type_="SessionIdTaken")
     if isinstance(exc, RPCError):
-        if exc.status == RPCStatusCode.NOT_FOUND and "completed" in exc.message:
+        # The run ended before the update was answered: "workflow execution already completed", or, when it ended
+        # while the update waited to be accepted, "workflow update was aborted by closing workflow".
+        if exc.status == RPCStatusCode.NOT_FOUND and any(m in exc.message for m in _ENDED_MESSAGES):
             return SessionNotOpen(f"the session has ended: {exc.message}", type_="SessionNotOpen")
         if exc.status == RPCStatusCode.NOT_FOUND:
             return UnknownSession(exc.message, type_="UnknownSession")
@@ -208,6 +220,14 @@ class Session:
             result: R = await self.handle.execute_update(name, arg, id=update_id, result_type=result_type)
         except (WorkflowUpdateFailedError, RPCError, ApplicationError) as exc:
             raise map_failure(exc) from exc
+        except ValidationError as exc:
+            # Temporal answers an update id with the first update's outcome, whatever the update: a key used
+            # before by an update of another kind gets that update's answer, which is no `result_type`.
+            raise UpdateIdReused(
+                f"{name}: idempotency key {update_id!r} was used by an earlier update of another kind, whose answer "
+                f"this is not; nothing was applied by this call; send it with a new key",
+                type_=UPDATE_ID_REUSED,
+            ) from exc
         return result
 
     async def submit_turn(self, text: str, *, idempotency_key: str | None = None) -> TurnResult:

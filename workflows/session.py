@@ -70,6 +70,7 @@ PATCH_EARLY_TOOL_NAMES = "early-tool-names-checked"  # names sent before the ope
 PATCH_FAILED_CHILD_METRICS = "failed-child-metrics"  # a failed child run's metrics are taken
 PATCH_ANSWER_BEFORE_FAILING = "answer-updates-before-failing"  # a run that fails answers the updates it accepted
 PATCH_ROTATE_OPEN_ONLY = "rotate-open-session-only"  # a rotation that waited for a close's lock rotates nothing
+PATCH_CLOSING_KEEPS_TOOLS = "closing-keeps-tools"  # a grant or revocation beside a close that went first is refused
 # The failure type of a signal to a workflow that has closed (or never existed): sdk-core's failure for the
 # `SignalExternalWorkflowExecutionFailed` event.
 CHILD_GONE = "ExternalWorkflowExecutionNotFound"
@@ -95,6 +96,13 @@ def _refused(message: str) -> ApplicationError:
     says (`ValueError`) and non-retryable, since the same input gets the same answer. (The one retryable refusal,
     a run about to continue as new, stays a plain `ValueError`.)"""
     return ApplicationError(message, type="ValueError", non_retryable=True)
+
+
+def _why(exc: Exception) -> str:
+    """A refused start input's failure in one line, for the updates such a run refuses: its type and message."""
+    if isinstance(exc, ApplicationError):
+        return f"{exc.type}: {exc.message}"
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
 
 
 def _update_failure(exc: ActivityError) -> ApplicationError:
@@ -164,7 +172,8 @@ class SessionWorkflow:
         self.lock = asyncio.Lock()
         self.ready = carried is not None or self.refused is not None
         self.closing = False
-        self.open_failure: str | None = None  # why the open failed, for the updates the run had accepted
+        # Why the open failed (or the start input was refused), for the updates the run is asked to take.
+        self.open_failure: str | None = _why(self.refused) if self.refused is not None else None
         self.turns_at_start = self.state.turns
         self.published: tuple[int, str, int] | None = None
         self.child: workflow.ChildWorkflowHandle[ChildRunWorkflow, ChildRunResult] | None = None
@@ -224,9 +233,20 @@ class SessionWorkflow:
         """An update waits until the session has opened; one the run accepted before it failed to open is refused."""
         await workflow.wait_condition(lambda: self.ready)
         if self.state.status == "failed":
-            because = f": {self.open_failure}" if self.open_failure else ""
             raise ApplicationError(
-                f"the session failed to open{because}; start a new session", type="SessionNotOpen", non_retryable=True
+                f"{self._failed_to_open()}; start a new session", type="SessionNotOpen", non_retryable=True
+            )
+
+    def _failed_to_open(self) -> str:
+        return "the session failed to open" + (f": {self.open_failure}" if self.open_failure else "")
+
+    def _refuse_when_closing(self, update: str) -> None:
+        """A tool grant or revocation accepted in the workflow task a close was, after it: the session is closing
+        by the time it runs. Before, it was applied to the closing session's state (and answered `status: open`)."""
+        if (self.closing or self.state.status != "open") and workflow.patched(PATCH_CLOSING_KEEPS_TOOLS):
+            status = "closing" if self.closing and self.state.status == "open" else self.state.status
+            raise ApplicationError(
+                f"{update}: the session is {status}; start a new session", type="SessionNotOpen", non_retryable=True
             )
 
     def _continue_as_new_due(self) -> bool:
@@ -429,6 +449,7 @@ class SessionWorkflow:
         await self._opened()
         if self._applied_before():
             return self.state
+        self._refuse_when_closing("revoke_tool")
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("revoke_tool", [req.name])
         self._mark_applied()
@@ -456,6 +477,7 @@ class SessionWorkflow:
         await self._opened()
         if self._applied_before():
             return self.state
+        self._refuse_when_closing("grant_tool")
         self._check_grantable(req.name)
         self._mark_applied()
         self.state.revoked_tools.pop(req.name, None)
@@ -762,7 +784,7 @@ class SessionWorkflow:
             )
         if self.state.status == "failed":
             raise ApplicationError(
-                "close_session: the session failed to open", type="SessionNotOpen", non_retryable=True
+                f"close_session: {self._failed_to_open()}", type="SessionNotOpen", non_retryable=True
             )
 
     def _validate_open(self) -> None:
@@ -772,7 +794,7 @@ class SessionWorkflow:
                 "the session is closed; start a new session", type="SessionNotOpen", non_retryable=True
             )
         if self.state.status == "failed":
-            raise ApplicationError("the session failed to open", type="SessionNotOpen", non_retryable=True)
+            raise ApplicationError(self._failed_to_open(), type="SessionNotOpen", non_retryable=True)
 
     def _validate_room(self) -> None:
         """Refused while the run's history, or its count of updates, is long and waits to continue as new

@@ -197,6 +197,26 @@ async def test_every_update_takes_an_idempotency_key(temporal_client: Client, pg
         assert epochs == 2
 
 
+async def test_a_key_used_by_another_kind_of_update_is_refused_typed(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """Temporal answers an update id with the first update's outcome, whatever its name: a close sent with a turn's
+    key gets the turn's answer. The client raises UpdateIdReused, naming the key, and the session stays open. Before,
+    the caller got pydantic's ValidationError for SessionState."""
+    from ctxengine.client import UpdateIdReused
+
+    async with stack(temporal_client, pg_dsn, task_queue):
+        ctx = CtxEngineClient(temporal_client, task_queue=task_queue)
+        s = await ctx.start_session(session_open())
+        await s.submit_turn("hello", idempotency_key="req-1")
+        with pytest.raises(UpdateIdReused) as info:
+            await s.close("done", idempotency_key="req-1")
+        assert "'req-1'" in str(info.value) and info.value.type == "UpdateIdReused"
+        state = await s.state()
+        assert state.status == "open" and state.turns == 1
+        assert (await s.submit_turn("still open")).turn == 2
+
+
 async def test_a_failed_start_s_id_may_be_used_again(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
     """A start that fails at open (a prefix over its cap) raises PrefixOverflow; the same id then starts a session
     with a fixed open, and once that one is closed the id is refused."""

@@ -364,32 +364,40 @@ async def test_smaller_refusals(temporal_client: Client, pg_dsn: str, task_queue
         assert state.status == "closed"
 
 
-async def test_a_rotation_accepted_beside_a_close_rotates_nothing(
+async def test_changes_accepted_beside_a_close_that_went_first_change_nothing(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
-    """A close and a rotation that reach the session in one workflow task (sent while no worker polled) both pass
-    their validators; the close takes the lock first and closes the session, and the rotation is then answered
-    SessionNotOpen: no epoch 2, no prefix stored for it. Before, the rotation waited for the lock and then opened
-    a new epoch of the closed session."""
-    from contract.payloads import RotateEpoch
+    """A close, then a rotation, a grant and a revocation, reach the session in one workflow task (sent while no
+    worker polled): all pass their validators; the close goes first, and the others are answered SessionNotOpen:
+    no epoch 2, no prefix stored for it, the tools as they were. Before, the rotation waited for the lock and then
+    opened a new epoch of the closed session, and the grant and the revocation were applied to the closing session
+    (answered `status: open`)."""
+    from contract.payloads import GrantTool, RevokeTool, RotateEpoch
 
     async with stack(temporal_client, pg_dsn, task_queue):
         handle = await start(temporal_client, task_queue)
         await turn(handle, "hello")
+        await handle.execute_update(names.UPDATE_REVOKE_TOOL, RevokeTool(name="notes.save"))
     close = asyncio.create_task(handle.execute_update(names.UPDATE_CLOSE_SESSION, CloseSession()))
     await asyncio.sleep(0.5)
-    rotate = asyncio.create_task(
-        handle.execute_update(names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="provider_routing_changed"))
-    )
-    await asyncio.sleep(0.5)
+    changes = []
+    for name, arg in (
+        (names.UPDATE_ROTATE_EPOCH, RotateEpoch(reason="provider_routing_changed")),
+        (names.UPDATE_GRANT_TOOL, GrantTool(name="notes.save")),
+        (names.UPDATE_REVOKE_TOOL, RevokeTool(name="web.fetch")),
+    ):
+        changes.append(asyncio.create_task(handle.execute_update(name, arg)))
+        await asyncio.sleep(0.3)
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         await asyncio.wait_for(close, timeout=60)
-        with pytest.raises(WorkflowUpdateFailedError) as info:
-            await asyncio.wait_for(rotate, timeout=60)
-        cause = info.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == "SessionNotOpen", cause
+        for change in changes:
+            with pytest.raises(WorkflowUpdateFailedError) as info:
+                await asyncio.wait_for(change, timeout=60)
+            cause = info.value.cause
+            assert isinstance(cause, ApplicationError) and cause.type == "SessionNotOpen", cause
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.status == "closed" and state.epoch == 1 and state.metrics.epochs == 1
+        assert list(state.revoked_tools) == ["notes.save"]
         assert await store.get_prefix(handle.id, 2) is None
 
 
@@ -567,7 +575,7 @@ async def test_updates_sent_before_a_failed_open_are_answered_typed(
                 if start_input is too_big:  # refused once the open failed, naming why
                     assert cause.type == "SessionNotOpen" and why in cause.message, cause
                 else:  # refused by the validator already (the start input was refused in the run's first task)
-                    assert cause.type == "SessionNotOpen", cause
+                    assert cause.type == "SessionNotOpen" and "InvalidSessionOpen: start input" in cause.message, cause
                 assert "a fact" not in await store.memory_texts(scope)  # nothing written for a session that failed
 
 

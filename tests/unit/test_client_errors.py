@@ -13,6 +13,8 @@ from ctxengine.client import (
     SessionNotOpen,
     ToolNotPinned,
     TurnTooLarge,
+    UnknownSession,
+    UpdateIdReused,
     ValidationFailed,
     WorkingStateRejected,
     map_failure,
@@ -32,6 +34,7 @@ from ctxengine.client import (
         ("WorkingStateCapError", WorkingStateRejected),
         ("ValueError", ValidationFailed),
         ("ValidationError", ValidationFailed),
+        ("UpdateIdReused", UpdateIdReused),
     ],
 )
 def test_known_types(type_: str, expected: type[CtxEngineError]) -> None:
@@ -63,3 +66,21 @@ def test_unknown_type_and_used_id() -> None:
     err = map_failure(ApplicationError("odd", type="Surprise"))
     assert type(err) is CtxEngineError and err.type == "Surprise"
     assert isinstance(map_failure(WorkflowAlreadyStartedError("s-1", "SessionWorkflow")), SessionIdTaken)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("workflow execution already completed", SessionNotOpen),
+        # The run ended while the update waited to be accepted (a close beside it, a start input refused in
+        # SessionWorkflow.__new__): before, this was UnknownSession, as for an id no session ever had.
+        ("workflow update was aborted by closing workflow", SessionNotOpen),
+        ("workflow not found for ID: session-x", UnknownSession),
+    ],
+)
+def test_not_found_is_an_ended_session_or_an_unknown_one(message: str, expected: type[CtxEngineError]) -> None:
+    """Temporal's NOT_FOUND answers for an update: an ended session is SessionNotOpen, a missing one UnknownSession."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    err = map_failure(RPCError(message, RPCStatusCode.NOT_FOUND, b""))
+    assert type(err) is expected and message in str(err)
