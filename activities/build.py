@@ -7,7 +7,7 @@ pure builder, store the request and its record, and report a second prefix hash 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from temporalio import activity
@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.lifecycle import seal_orphans
-from activities.minimum_body import check_fits_escalated, turn_too_large
+from activities.minimum_body import beside_stand_in, check_fits_escalated, turn_too_large
 from activities.rows import TurnReads
 from activities.session_state import (
     RECALL_LIMIT,
@@ -221,14 +221,21 @@ class BuildActivities(BuildCalls):
             estimate_rules=estimator.rules,
         )
         body = body_inputs(logged, checkpoint, ri)
+        # A new message in a session with history may end up beside an escalation checkpoint (it compacts, then
+        # escalates): it must fit there too, and a refusal names its room there (activities/minimum_body.py).
+        escalates = isinstance(turn_message, UserMessage) and (checkpoint is not None or len(logged.seqs) > 1)
         try:
             plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=renders)
-            if isinstance(turn_message, UserMessage) and plan.status is PlanStatus.NEEDS_COMPACTION:
-                check_fits_escalated(prefix, turn_message, ri, estimator, secret)
         except TurnTooLargeError as exc:
-            raise turn_too_large(exc, logged=not message) from exc
+            sized = beside_stand_in(exc, prefix, estimator, ri.budget, secret) if escalates else exc
+            raise turn_too_large(sized, logged=not message) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
+        if escalates and plan.status is PlanStatus.NEEDS_COMPACTION:
+            try:
+                check_fits_escalated(prefix, cast(UserMessage, turn_message), ri, estimator, secret)
+            except TurnTooLargeError as exc:
+                raise turn_too_large(exc, logged=False) from exc
         return plan, ri, body
 
     def _recall_query(self, inp: BuildInput) -> str | None:

@@ -18,7 +18,7 @@ from core.build import FrozenPrefix, build
 from core.compaction import MAX_ESCALATION_REFS, Checkpoint, escalation_checkpoint
 from core.errors import RouteDoesNotFitError, TurnTooLargeError
 from core.estimator import ModelProfile, TokenEstimator
-from core.items import UserMessage
+from core.items import BudgetClass, UserMessage
 from core.plan import ContextPlan, PlanStatus
 from core.working_state import render
 
@@ -34,6 +34,7 @@ ROOM_SLACK_TOKENS = 16
 # the open check 14 tokens short of answering "hi").
 CHECK_MESSAGE_ID = "u:3f2504e0-4f89-41d3-9a0c-0305e82c3301"
 _CHECK_SEQ = 10**6  # the check message's log position: past any checkpoint the check puts before it
+STAND_IN_SEQ = _CHECK_SEQ  # the first position after the escalation stand-in's (`escalation_stand_in`)
 
 
 async def check_route_fits(
@@ -46,22 +47,35 @@ async def check_route_fits(
     *,
     last_resort: bool,
 ) -> None:
-    """The minimum body (a message, the working state, corrections, the clock) must fit beside `prefix` under this
-    route's estimate and budget, or RouteDoesNotFitError is raised. At open (epoch 1) the message is one word: a
-    session that fails this could never answer a turn, and fails (RouteDoesNotFit). At a rotation it is
+    """The minimum body (a message, the working state, corrections, the clock, beside the largest escalation
+    checkpoint a long session's turn may carry: `escalation_stand_in`) must fit beside `prefix` under this route's
+    estimate and budget, or RouteDoesNotFitError is raised. At open (epoch 1) the message is one word: a session
+    that fails this could not go on answering turns once it compacts, and fails (RouteDoesNotFit). (Before, the
+    check left the checkpoint out: a session at `ctxengine validate`'s floor answered its first turn and every later
+    one failed.) At a rotation it is
     ROUTE_CHECK_MESSAGE_TOKENS, and a rotation that fails it is refused, the old epoch kept (RotationRefused).
     `last_resort`: the snapshot can give no more memories. Then a rotation whose route, encoding and window are
     the old epoch's and whose prefix is no larger (a forced revocation, say) applies anyway: it can only make
     room, and refusing it would keep a tool the operator removed."""
     words = OPEN_CHECK_MESSAGE_TOKENS if inp.epoch == 1 else ROUTE_CHECK_MESSAGE_TOKENS
+    stand_in = escalation_stand_in(estimator)
     try:
         plan = await _build_minimum(
-            state, inp.session_id, inp.open.memory_scope, prefix, estimator, budget, secret, message_tokens=words
+            state,
+            inp.session_id,
+            inp.open.memory_scope,
+            prefix,
+            estimator,
+            budget,
+            secret,
+            checkpoint=stand_in,
+            message_tokens=words,
         )
         # A real turn's clock line and message id may add ROOM_SLACK_TOKENS to the check's minimum.
         prefix_tokens, minimum = plan.prefix_tokens + plan.prefix_margin_tokens, plan.body_tokens + ROOM_SLACK_TOKENS
     except TurnTooLargeError as exc:
-        prefix_tokens, minimum = exc.prefix_tokens, exc.minimum_body_tokens
+        beside = beside_stand_in(exc, prefix, estimator, budget, secret)
+        prefix_tokens, minimum = beside.prefix_tokens, beside.minimum_body_tokens
     if prefix_tokens + minimum <= budget.input_limit:
         return
     if last_resort and inp.epoch > 1 and await _no_larger(state, inp, prefix, estimator):
@@ -144,7 +158,10 @@ def check_fits_escalated(
     minimum = ri.model_copy(update={"call_index": 0, "max_seq": _CHECK_SEQ, "user_item_id": message.id, "recall": []})
     at_end = message.model_copy(update={"seq": _CHECK_SEQ})  # past the stand-in's positions, as the id is the turn's
     body = body_inputs([at_end], escalation_stand_in(estimator), minimum)
-    plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)  # raises TurnTooLargeError
+    try:
+        plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)
+    except TurnTooLargeError as exc:  # the message overflows alone: its sizes, as beside the stand-in
+        raise beside_stand_in(exc, prefix, estimator, ri.budget, secret) from None
     if plan.status is PlanStatus.FITS:
         return
     reserve = plan.prefix_tokens + plan.prefix_margin_tokens
@@ -152,6 +169,37 @@ def check_fits_escalated(
     raise TurnTooLargeError(
         classes, ri.budget.input_limit - reserve, prefix_tokens=reserve, input_limit=ri.budget.input_limit
     )
+
+
+def beside_stand_in(
+    exc: TurnTooLargeError, prefix: FrozenPrefix, estimator: TokenEstimator, budget: ContextBudget, secret: bytes
+) -> TurnTooLargeError:
+    """`exc` (a minimum body over the limit on its own, which `build` sizes without the checkpoint) with the
+    stand-in's summary counted in its history class: the sizes a caller sizes a retry from name the room a turn
+    has once its session compacts, not room it would lose to the checkpoint at the next refusal."""
+    roomy = ContextBudget.model_validate({**budget.model_dump(), "context_window": budget.context_window + 10**6})
+    ri = RequestInputs(
+        turn=0,
+        call_index=0,
+        max_seq=_CHECK_SEQ,
+        user_item_id=CHECK_MESSAGE_ID,
+        checkpoint_id=None,
+        now_iso="2000-01-01T00:00:00+00:00",
+        profile=estimator.profile,
+        budget=roomy,
+        estimate_rules=estimator.rules,
+    )
+    message = UserMessage(id=CHECK_MESSAGE_ID, seq=_CHECK_SEQ, text="word")
+    plan = build(
+        prefix,
+        body_inputs([message], escalation_stand_in(estimator), ri),
+        budget=roomy,
+        estimator=estimator,
+        secret=secret,
+    )
+    history = BudgetClass.HISTORY.value
+    classes = {**exc.classes, history: exc.classes.get(history, 0) + plan.tokens_by_class.get(history, 0)}
+    return TurnTooLargeError(classes, exc.available, prefix_tokens=exc.prefix_tokens, input_limit=exc.input_limit)
 
 
 def turn_too_large(exc: TurnTooLargeError, *, logged: bool) -> ApplicationError:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -12,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from activities.minimum_body import CHECK_MESSAGE_ID, ROOM_SLACK_TOKENS
+from activities.minimum_body import CHECK_MESSAGE_ID, ROOM_SLACK_TOKENS, STAND_IN_SEQ, escalation_stand_in
 from activities.tokens import TiktokenCounter
 from contract.payloads import ModelRoute, SessionOpen
 from core.budget import ContextBudget
@@ -34,6 +35,7 @@ from core.items import (
     HistoryItem,
     ToolCall,
     ToolResult,
+    TrustLevel,
     TurnContext,
     UserMessage,
 )
@@ -194,18 +196,39 @@ def _takes_turn(
     if window - spare <= budget.output_reserve:
         return False
     budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window - spare})
+    # Shaped as a long session's: ids and positions as long as its, a provider's call ids, untrusted results
+    # kept as artifacts (their pointers name one), all beside the largest escalation checkpoint a turn may carry.
+    at = STAND_IN_SEQ
     pairs: list[HistoryItem] = []
     for i in range(n):
-        pairs.append(ToolCall(id=f"c{i}", seq=2 + 2 * i, call_id=f"v{i}", tool_name="tool", arguments={"q": "x" * 40}))
-        pairs.append(ToolResult(id=f"r{i}", seq=3 + 2 * i, call_id=f"v{i}", tool_name="tool", content="data " * 400))
+        item, call_id = f"t99999.m7.call{i}", f"toolu_{hashlib.sha256(b'call%d' % i).hexdigest()[:24]}"
+        pairs.append(
+            ToolCall(id=item, seq=at + 1 + 2 * i, call_id=call_id, tool_name="web.fetch", arguments={"q": "x" * 40})
+        )
+        pairs.append(
+            ToolResult(
+                id=f"{item}.result",
+                seq=at + 2 + 2 * i,
+                call_id=call_id,
+                tool_name="web.fetch",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                content="data " * 400,
+                artifact_ref="artifact:" + hashlib.sha256(b"result%d" % i).hexdigest(),
+            )
+        )
     clock = TurnContext(id="clock", text="Current date and time (UTC): 2000-01-01T00:00:00+00:00")
+    stand_in = escalation_stand_in(estimator)
     bodies = [
         BodyInputs(
-            turn_start_seq=1, current=CurrentUserMessage(id=CHECK_MESSAGE_ID, seq=1, text=message), turn_context=clock
+            checkpoint=stand_in,
+            turn_start_seq=at,
+            current=CurrentUserMessage(id=CHECK_MESSAGE_ID, seq=at, text=message),
+            turn_context=clock,
         ),
         BodyInputs(
-            history=[UserMessage(id=CHECK_MESSAGE_ID, seq=1, text=message), *pairs],
-            turn_start_seq=1,
+            checkpoint=stand_in,
+            history=[UserMessage(id=CHECK_MESSAGE_ID, seq=at, text=message), *pairs],
+            turn_start_seq=at,
             turn_context=clock,
         ),
     ]

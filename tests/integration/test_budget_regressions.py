@@ -64,6 +64,34 @@ async def test_tool_heavy_turns_at_6k_are_answered(temporal_client: Client, pg_d
         assert active_yields >= 1
 
 
+async def test_a_window_at_validates_tool_results_floor_takes_those_turns(
+    temporal_client: Client, pg_dsn: str, task_queue: str
+) -> None:
+    """At `ctxengine validate --tool-results 4`'s floor for the message, turns that fetch four long pages are
+    answered, turn after turn, and so are short ones between them. Before, validate's tool results had no artifact
+    reference (a real untrusted result's pointer names one) and short ids, and no escalation checkpoint beside
+    them: at its floor every such turn failed TurnTooLarge (32 of 32 in an outside check), 200 tokens above it most
+    failed ContextNeedsCompaction."""
+    from activities.tokens import TiktokenCounter
+    from ctxengine.operator_tools import validate_config
+
+    def config(window: int) -> SessionOpen:
+        return session_open(budget={"context_window": window, "output_reserve": 500})
+
+    counter = TiktokenCounter()
+    message = f"turn 9: fetch these\n{fetches(4)}"
+    report = validate_config(
+        config(8_000), config(8_000).route, lambda _: counter, message_tokens=counter.count(message), tool_results=4
+    )
+    floor = int(report["min_context_window"])
+    async with stack(temporal_client, pg_dsn, task_queue):
+        handle = await start(temporal_client, task_queue, config(floor))
+        for t in range(3):
+            result = await turn(handle, f"turn {t}: fetch these\n{fetches(4)}")
+            assert len(result.tool_calls) == 4 and result.plan.status.value == "fits"
+            assert (await turn(handle, "hi")).plan.status.value == "fits"
+
+
 async def test_rotation_to_a_costlier_route_leaves_the_session_usable(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
@@ -135,8 +163,9 @@ async def test_a_session_with_room_for_a_short_turn_opens(
 ) -> None:
     """The open check asks for room for a one-word message, not the 256 tokens a rotation must leave: a prefix that
     leaves room for short turns only opens and answers one. The window is validate's floor for a one-word turn,
-    below its floor for a 256-token one. (Before, the window was a fixed 3,200 tokens, which 10 of 200 secrets'
-    prefixes left no room at: the test failed one run in 20, a session failing at open.)"""
+    below its floor for a 256-token one; it answers its later turns too, once it compacts. (Before, the window was a
+    fixed 3,200 tokens, which 10 of 200 secrets' prefixes left no room at: the test failed one run in 20, a session
+    failing at open.)"""
     from activities.tokens import TiktokenCounter
     from ctxengine.operator_tools import validate_config
 
@@ -160,9 +189,9 @@ async def test_a_session_with_room_for_a_short_turn_opens(
     async with stack(temporal_client, pg_dsn, task_queue):
         for _ in range(3):
             handle = await start(temporal_client, task_queue, config(window))
-            answered = await asyncio.wait_for(turn(handle, "hi"), timeout=60)  # none if it failed to open
-            assert answered.plan.status.value == "fits"
-            assert answered.plan.input_limit - answered.plan.estimated_tokens < 256  # a 256-token message would not fit
+            for t in range(3):  # none if it failed to open; the later ones once the session compacts
+                answered = await asyncio.wait_for(turn(handle, f"ok {t}"), timeout=60)
+                assert answered.plan.status.value == "fits"
 
 
 async def test_a_session_that_could_not_answer_hi_fails_at_open(
@@ -181,8 +210,10 @@ async def test_a_window_at_validates_floor_opens_whatever_the_session(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
     """`ctxengine validate`'s floor for a one-word turn is a window every session of the configuration opens at and
-    answers "hi" in, whatever its secret (its nonces' tokens vary). Before, the floor was measured without the open
-    check's message id and slack, on one secret: 50-70 tokens below the smallest window that opened."""
+    goes on answering short turns in, whatever its secret (its nonces' tokens vary). Before, the floor was measured
+    without the open check's message id and slack, on one secret: 50-70 tokens below the smallest window that
+    opened; and without the escalation checkpoint a compacted session's turn carries: at the floor a session
+    answered its first turn and every later one failed (147 of 147 in an outside check)."""
     from activities.tokens import TiktokenCounter
     from ctxengine.operator_tools import validate_config
 
@@ -201,8 +232,9 @@ async def test_a_window_at_validates_floor_opens_whatever_the_session(
     async with stack(temporal_client, pg_dsn, task_queue):
         for _ in range(5):
             handle = await start(temporal_client, task_queue, config(floor))
-            answered = await asyncio.wait_for(turn(handle, "hi"), timeout=60)  # none if it failed to open
-            assert answered.plan.status.value == "fits"
+            for text in ("hi", "ok", "and again"):  # none if it failed to open; the later ones once it compacts
+                answered = await asyncio.wait_for(turn(handle, text), timeout=60)
+                assert answered.plan.status.value == "fits"
 
 
 async def test_rotations_take_fewer_memories_rather_than_leave_no_room(
@@ -212,16 +244,24 @@ async def test_rotations_take_fewer_memories_rather_than_leave_no_room(
     the minimum body of a 256-token message, the snapshot takes fewer of them (as over its own cap) and the
     rotation applies: a provider routing change, and a forced revocation, whose tool must go whatever the snapshot.
     Before, a same-route rotation was never checked and took every memory."""
+    from activities.tokens import TiktokenCounter
+    from ctxengine.operator_tools import validate_config
+
     scope = f"grow-{task_queue}"
-    route = {"provider": "scripted", "model": "scripted-1", "context_window": 3_200}
-    async with stack(temporal_client, pg_dsn, task_queue) as store:
-        handle = await start(
-            temporal_client,
-            task_queue,
-            session_open(
-                agent_instructions="rule " * 400, model_route=route, budget={"output_reserve": 256}, memory_scope=scope
-            ),
+
+    def config(window: int) -> SessionOpen:
+        route = {"provider": "scripted", "model": "scripted-1", "context_window": window}
+        return session_open(
+            agent_instructions="rule " * 400, model_route=route, budget={"output_reserve": 256}, memory_scope=scope
         )
+
+    # Room for about two of the twelve memories beside the rotation's check: validate's floor for its 256-token
+    # message, and 200 tokens (each memory takes about 85).
+    counter = TiktokenCounter()
+    floor = validate_config(config(8_000), config(8_000).route, lambda _: counter, message_tokens=256, tool_results=0)
+    window = int(floor["min_context_window"]) + 200
+    async with stack(temporal_client, pg_dsn, task_queue) as store:
+        handle = await start(temporal_client, task_queue, config(window))
         await turn(handle, "hello")
         for i in range(12):  # about 1,000 tokens of memories for the next snapshot
             await handle.execute_update(

@@ -213,37 +213,46 @@ async def test_memo_holds_what_the_checkpoint_does_not_cover(
 async def test_failed_compaction_does_not_poison_later_ones(
     temporal_client: Client, pg_dsn: str, task_queue: str
 ) -> None:
-    """A turn that cannot fit at all fails alone (TurnTooLarge, nothing logged); so does one that fits beside the
-    prefix but not beside the escalation checkpoint it would end up with (before, it was logged, escalated, and failed
-    in the child run, ContextNeedsCompaction, a few tokens short: one run in five of this test); a turn that fits only
-    as the minimum body is answered through escalation; later turns still compact under new ids. Each message is
-    sized from the room the previous refusal names, so the secret's nonces move no turn across an edge."""
+    """A turn that cannot fit at all fails alone (TurnTooLarge, nothing logged), naming the room a message has
+    beside the escalation checkpoint the session's turns may end up with; so does one that fits beside the prefix
+    but not there (before, it was logged, escalated, and failed in the child run, ContextNeedsCompaction, a few tokens
+    short: one run in five of this test), naming the same room; a turn sized from that room is answered through
+    escalation; later turns still compact under new ids. (Before, the first refusal named the room beside the prefix
+    alone, 67-86 tokens more than a message could take.)"""
 
-    async def too_large(text: str) -> dict[str, Any]:
+    async def too_large(words: int) -> dict[str, Any]:
         with pytest.raises(WorkflowUpdateFailedError) as info:
-            await turn(handle, text)
+            await turn(handle, "x: " + "detail " * words)
         cause = info.value.cause
         assert isinstance(cause, ApplicationError) and cause.type == "TurnTooLarge", cause
         sizes: dict[str, Any] = cause.details[0]
         assert sizes["logged"] is False and sizes["minimum_body_tokens"] + sizes["prefix_tokens"] > sizes["input_limit"]
         return sizes
 
-    def room(sizes: dict[str, Any], words: int) -> int:
-        """The words of "detail " a message may hold beside what `sizes` names, but for its envelope."""
-        envelope = sizes["message_tokens"] - words
+    def room(sizes: dict[str, Any]) -> int:
+        """The tokens a message may take beside what `sizes` names."""
         rest = sizes["minimum_body_tokens"] - sizes["message_tokens"]
-        return sizes["input_limit"] - sizes["prefix_tokens"] - rest - envelope
+        return int(sizes["input_limit"] - sizes["prefix_tokens"] - rest)
 
     async with stack(temporal_client, pg_dsn, task_queue) as store:
         handle = await start(temporal_client, task_queue, session_open(budget=SMALL))
         for i in range(6):
             await turn(handle, f"message {i}: " + "context " * 150)
-        alone = room(await too_large("x: " + "detail " * 4_000), 4_000)  # beside the prefix alone
-        edge = alone - 30
-        escalated = room(await too_large("x: " + "detail " * edge), edge)  # beside an escalation's references
-        assert 30 < alone - escalated < 200
+        # Two refusals give a message's tokens as a function of its words (the estimate scales them by the route's
+        # ratio, beside a fixed envelope), and the room they name.
+        big, bigger = await too_large(3_000), await too_large(4_000)
+        per_word = (bigger["message_tokens"] - big["message_tokens"]) / 1_000
+        envelope = bigger["message_tokens"] - per_word * 4_000
+        assert room(big) == room(bigger)
+
+        def words_for(tokens: int) -> int:
+            return int((tokens - envelope) / per_word)
+
+        edge = words_for(room(bigger))
+        # Over the named room by less than the escalation checkpoint's size: it would fit beside the prefix alone.
+        assert room(await too_large(edge + 20)) == room(bigger)
         before = await handle.query(names.QUERY_STATE, result_type=SessionState)
-        answered = await turn(handle, "x: " + "detail " * (escalated - 30))
+        answered = await turn(handle, "x: " + "detail " * (edge - 20))
         assert answered.plan.status.value == "fits"
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.turns == before.turns + 1 and state.metrics.escalations >= 1
