@@ -151,6 +151,16 @@ ERROR_TYPES: dict[str, type[CtxEngineError]] = {
 _ENDED_MESSAGES = ("completed", "closing workflow")
 
 
+def _reused(name: str, key: str | None) -> UpdateIdReused:
+    """Temporal answers an update id with the first update's outcome, whatever the update: a key used before by an
+    update of another kind gets that update's answer, not this one's."""
+    return UpdateIdReused(
+        f"{name}: idempotency key {key!r} was used by an earlier update of another kind, whose answer this is; "
+        "nothing was applied by this call; send it with a new key",
+        type_=UPDATE_ID_REUSED,
+    )
+
+
 def map_failure(exc: BaseException) -> CtxEngineError:
     """The typed error for a Temporal failure: the first ApplicationError in its cause chain whose type is
     known; otherwise the innermost ApplicationError's type and message as a plain CtxEngineError."""
@@ -215,26 +225,32 @@ class Session:
         self.handle = handle
         self.session_id = handle.id
 
-    async def _update(self, name: str, arg: BaseModel, result_type: type[R], update_id: str | None = None) -> R:
+    async def _update(
+        self, name: str, arg: BaseModel, result_type: type[R], update_id: str | None = None, *, chosen: bool = True
+    ) -> R:
+        """`chosen`: the caller chose `update_id` (an idempotency key), so another update may have used it before."""
         try:
             result: R = await self.handle.execute_update(name, arg, id=update_id, result_type=result_type)
         except (WorkflowUpdateFailedError, RPCError, ApplicationError) as exc:
             raise map_failure(exc) from exc
         except ValidationError as exc:
-            # Temporal answers an update id with the first update's outcome, whatever the update: a key used
-            # before by an update of another kind gets that update's answer, which is no `result_type`.
-            raise UpdateIdReused(
-                f"{name}: idempotency key {update_id!r} was used by an earlier update of another kind, whose answer "
-                f"this is not; nothing was applied by this call; send it with a new key",
-                type_=UPDATE_ID_REUSED,
-            ) from exc
+            if update_id is None or not chosen:  # a fresh id: the answer is this update's own, unreadable here
+                raise CtxEngineError(
+                    f"{name}: its answer did not decode as {result_type.__name__} (the update may have been applied; "
+                    f"a worker of another release?): {exc}",
+                    type_="InvalidAnswer",
+                ) from exc
+            raise _reused(name, update_id) from exc
+        if chosen and name == names.UPDATE_CLOSE_SESSION and getattr(result, "status", "closed") != "closed":
+            raise _reused(name, update_id)  # a close answers a closed state: this is another update's (a grant's)
         return result
 
     async def submit_turn(self, text: str, *, idempotency_key: str | None = None) -> TurnResult:
         """Send one turn. The idempotency key is the update id: a retry with the same key returns the first
         result and appends nothing, within a run and across continue-as-new (the last 32 turns' results)."""
         key = idempotency_key or str(uuid.uuid4())
-        return await self._update(names.UPDATE_SUBMIT_TURN, _validated(TurnInput, {"text": text}), TurnResult, key)
+        req = _validated(TurnInput, {"text": text})
+        return await self._update(names.UPDATE_SUBMIT_TURN, req, TurnResult, key, chosen=idempotency_key is not None)
 
     # Every update takes an idempotency key, its update id: a retry with the same key (after a timeout, say) is
     # answered as the first call was and applies nothing again (docs/contract.md, "Ids and idempotency").

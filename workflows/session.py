@@ -240,14 +240,18 @@ class SessionWorkflow:
     def _failed_to_open(self) -> str:
         return "the session failed to open" + (f": {self.open_failure}" if self.open_failure else "")
 
-    def _refuse_when_closing(self, update: str) -> None:
-        """A tool grant or revocation accepted in the workflow task a close was, after it: the session is closing
-        by the time it runs. Before, it was applied to the closing session's state (and answered `status: open`)."""
+    async def _refuse_when_closing(self, update: str) -> None:
+        """A tool grant or revocation accepted in the workflow task a close was, after it, waits for the close: if the
+        session closed, it is refused; if the close failed (the session stays open), it applies. Before, it was
+        applied to the closing session's state (and answered `status: open`)."""
         if (self.closing or self.state.status != "open") and workflow.patched(PATCH_CLOSING_KEEPS_TOOLS):
-            status = "closing" if self.closing and self.state.status == "open" else self.state.status
-            raise ApplicationError(
-                f"{update}: the session is {status}; start a new session", type="SessionNotOpen", non_retryable=True
-            )
+            await workflow.wait_condition(lambda: not self.closing or self.state.status != "open")
+            if self.state.status != "open":
+                raise ApplicationError(
+                    f"{update}: the session is {self.state.status}; start a new session",
+                    type="SessionNotOpen",
+                    non_retryable=True,
+                )
 
     def _continue_as_new_due(self) -> bool:
         if self.lock.locked():
@@ -449,7 +453,7 @@ class SessionWorkflow:
         await self._opened()
         if self._applied_before():
             return self.state
-        self._refuse_when_closing("revoke_tool")
+        await self._refuse_when_closing("revoke_tool")
         if workflow.patched(PATCH_EARLY_TOOL_NAMES):  # an update sent before the session opened skipped the check
             self._check_pinned("revoke_tool", [req.name])
         self._mark_applied()
@@ -477,7 +481,7 @@ class SessionWorkflow:
         await self._opened()
         if self._applied_before():
             return self.state
-        self._refuse_when_closing("grant_tool")
+        await self._refuse_when_closing("grant_tool")
         self._check_grantable(req.name)
         self._mark_applied()
         self.state.revoked_tools.pop(req.name, None)

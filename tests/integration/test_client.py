@@ -212,6 +212,9 @@ async def test_a_key_used_by_another_kind_of_update_is_refused_typed(
         with pytest.raises(UpdateIdReused) as info:
             await s.close("done", idempotency_key="req-1")
         assert "'req-1'" in str(info.value) and info.value.type == "UpdateIdReused"
+        with pytest.raises(UpdateIdReused):  # a grant's answer is a state too, but not a closed one
+            await s.grant_tool("web.fetch", idempotency_key="grant-1")
+            await s.close("done", idempotency_key="grant-1")
         state = await s.state()
         assert state.status == "open" and state.turns == 1
         assert (await s.submit_turn("still open")).turn == 2
