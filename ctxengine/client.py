@@ -149,6 +149,13 @@ ERROR_TYPES: dict[str, type[CtxEngineError]] = {
 
 
 _ENDED_MESSAGES = ("completed", "closing workflow")
+# The updates whose answer is the session's state.
+_ANSWERS_A_STATE = (
+    names.UPDATE_CLOSE_SESSION,
+    names.UPDATE_GRANT_TOOL,
+    names.UPDATE_REVOKE_TOOL,
+    names.UPDATE_ROTATE_EPOCH,
+)
 
 
 def _reused(name: str, key: str | None) -> UpdateIdReused:
@@ -241,8 +248,12 @@ class Session:
                     type_="InvalidAnswer",
                 ) from exc
             raise _reused(name, update_id) from exc
-        if chosen and name == names.UPDATE_CLOSE_SESSION and getattr(result, "status", "closed") != "closed":
-            raise _reused(name, update_id)  # a close answers a closed state: this is another update's (a grant's)
+        if chosen and name in _ANSWERS_A_STATE:
+            closed = getattr(result, "status", None) == "closed"
+            if closed is not (name == names.UPDATE_CLOSE_SESSION):
+                # A close answers a closed state, a grant, revocation or rotation never does (refused once the
+                # session closes): this answer is another update's.
+                raise _reused(name, update_id)
         return result
 
     async def submit_turn(self, text: str, *, idempotency_key: str | None = None) -> TurnResult:

@@ -218,6 +218,9 @@ async def test_a_key_used_by_another_kind_of_update_is_refused_typed(
         state = await s.state()
         assert state.status == "open" and state.turns == 1
         assert (await s.submit_turn("still open")).turn == 2
+        await s.close("done", idempotency_key="close-1")
+        with pytest.raises(UpdateIdReused):  # a close's answer, a closed state, is never a grant's
+            await s.grant_tool("web.fetch", idempotency_key="close-1")
 
 
 async def test_a_failed_start_s_id_may_be_used_again(temporal_client: Client, pg_dsn: str, task_queue: str) -> None:
