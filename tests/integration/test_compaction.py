@@ -220,9 +220,13 @@ async def test_failed_compaction_does_not_poison_later_ones(
     escalation; later turns still compact under new ids. (Before, the first refusal named the room beside the prefix
     alone, 67-86 tokens more than a message could take.)"""
 
+    # Each message's update id is its log id's: ids of one shape take the same tokens, so a message's estimate is a
+    # function of its words alone (random UUIDs moved it by tens of tokens at 2,000 words).
+    ids = iter(f"probe-{k}" for k in range(10))
+
     async def too_large(words: int) -> dict[str, Any]:
         with pytest.raises(WorkflowUpdateFailedError) as info:
-            await turn(handle, "x: " + "detail " * words)
+            await turn(handle, "x: " + "detail " * words, update_id=next(ids))
         cause = info.value.cause
         assert isinstance(cause, ApplicationError) and cause.type == "TurnTooLarge", cause
         sizes: dict[str, Any] = cause.details[0]
@@ -252,7 +256,7 @@ async def test_failed_compaction_does_not_poison_later_ones(
         # Over the named room by less than the escalation checkpoint's size: it would fit beside the prefix alone.
         assert room(await too_large(edge + 20)) == room(bigger)
         before = await handle.query(names.QUERY_STATE, result_type=SessionState)
-        answered = await turn(handle, "x: " + "detail " * (edge - 20))
+        answered = await turn(handle, "x: " + "detail " * (edge - 20), update_id=next(ids))
         assert answered.plan.status.value == "fits"
         state = await handle.query(names.QUERY_STATE, result_type=SessionState)
         assert state.turns == before.turns + 1 and state.metrics.escalations >= 1
