@@ -52,8 +52,8 @@ async def check_route_fits(
     estimate and budget, or RouteDoesNotFitError is raised. At open (epoch 1) the message is one word: a session
     that fails this could not go on answering turns once it compacts, and fails (RouteDoesNotFit). (Before, the
     check left the checkpoint out: a session at `ctxengine validate`'s floor answered its first turn and every later
-    one failed.) At a rotation it is
-    ROUTE_CHECK_MESSAGE_TOKENS, and a rotation that fails it is refused, the old epoch kept (RotationRefused).
+    one failed.) At a rotation it is ROUTE_CHECK_MESSAGE_TOKENS, and a rotation that fails it is refused, the old
+    epoch kept (RotationRefused).
     `last_resort`: the snapshot can give no more memories. Then a rotation whose route, encoding and window are
     the old epoch's and whose prefix is no larger (a forced revocation, say) applies anyway: it can only make
     room, and refusing it would keep a tool the operator removed."""
