@@ -130,7 +130,8 @@ def escalation_stand_in(estimator: TokenEstimator) -> Checkpoint:
     """The largest checkpoint a turn's body can carry once nothing is left to compact: an escalation's references
     (its pointers drop under pressure), with ids, positions and counts as long as a long session's. Measured, not
     proved: a review compared it with real escalation checkpoints of 1-2,000 ancestors and checkpoint numbers up to
-    5,678 (none larger); at 12,345 compaction runs one was 1-2 tokens larger, inside ROOM_SLACK_TOKENS."""
+    5,678 (none larger); at 12,345 compaction runs one was 1-2 tokens larger (inside the open check's
+    ROOM_SLACK_TOKENS; a turn's own check, `check_fits_escalated`, keeps no slack)."""
     stand_in = Checkpoint(
         checkpoint_id=f"cp-{_CHECK_SEQ}-e{_CHECK_SEQ}",
         depth=2,
