@@ -7,7 +7,7 @@ pure builder, store the request and its record, and report a second prefix hash 
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import structlog
 from temporalio import activity
@@ -223,17 +223,19 @@ class BuildActivities(BuildCalls):
         body = body_inputs(logged, checkpoint, ri)
         # A new message in a session with history may end up beside an escalation checkpoint (it compacts, then
         # escalates): it must fit there too, and a refusal names its room there (activities/minimum_body.py).
-        escalates = isinstance(turn_message, UserMessage) and (checkpoint is not None or len(logged.seqs) > 1)
+        escalating = turn_message if isinstance(turn_message, UserMessage) else None
+        if checkpoint is None and len(logged.seqs) <= 1:  # no history: the turn cannot escalate
+            escalating = None
         try:
             plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret, cache=renders)
         except TurnTooLargeError as exc:
-            sized = beside_stand_in(exc, prefix, estimator, ri.budget, secret) if escalates else exc
+            sized = beside_stand_in(exc, prefix, estimator, ri.budget, secret) if escalating else exc
             raise turn_too_large(sized, logged=not message) from exc
         except ContextError as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
-        if escalates and plan.status is PlanStatus.NEEDS_COMPACTION:
+        if escalating is not None and plan.status is PlanStatus.NEEDS_COMPACTION:
             try:
-                check_fits_escalated(prefix, cast(UserMessage, turn_message), ri, estimator, secret)
+                check_fits_escalated(prefix, escalating, ri, estimator, secret)
             except TurnTooLargeError as exc:
                 raise turn_too_large(exc, logged=False) from exc
         return plan, ri, body

@@ -33,8 +33,8 @@ ROOM_SLACK_TOKENS = 16
 # carries one, so that its envelope is as long as a real message's (an id of a few tokens left a session that passed
 # the open check 14 tokens short of answering "hi").
 CHECK_MESSAGE_ID = "u:3f2504e0-4f89-41d3-9a0c-0305e82c3301"
-_CHECK_SEQ = 10**6  # the check message's log position: past any checkpoint the check puts before it
-STAND_IN_SEQ = _CHECK_SEQ  # the first position after the escalation stand-in's (`escalation_stand_in`)
+# The check message's log position: past any checkpoint the check puts before it, the escalation stand-in's too.
+CHECK_SEQ = 10**6
 
 
 async def check_route_fits(
@@ -133,19 +133,19 @@ def escalation_stand_in(estimator: TokenEstimator) -> Checkpoint:
     5,678 (none larger); at 12,345 compaction runs one was 1-2 tokens larger (inside the open check's
     ROOM_SLACK_TOKENS; a turn's own check, `check_fits_escalated`, keeps no slack)."""
     stand_in = Checkpoint(
-        checkpoint_id=f"cp-{_CHECK_SEQ}-e{_CHECK_SEQ}",
+        checkpoint_id=f"cp-{CHECK_SEQ}-e{CHECK_SEQ}",
         depth=2,
         covers_from_seq=0,
-        covers_to_seq=_CHECK_SEQ - 3,
+        covers_to_seq=CHECK_SEQ - 3,
         summary="",
     )
-    span = [UserMessage(id=f"u:{n}", seq=_CHECK_SEQ - n, text="-") for n in (2, 1)]  # named as "items a..b"
+    span = [UserMessage(id=f"u:{n}", seq=CHECK_SEQ - n, text="-") for n in (2, 1)]  # named as "items a..b"
     return escalation_checkpoint(
         span,
         current=stand_in,
-        keep_from_seq=_CHECK_SEQ,
+        keep_from_seq=CHECK_SEQ,
         checkpoint_id=stand_in.checkpoint_id,
-        ancestors=[f"cp-{_CHECK_SEQ + n}-e{_CHECK_SEQ}" for n in range(MAX_ESCALATION_REFS + 999)],
+        ancestors=[f"cp-{CHECK_SEQ + n}-e{CHECK_SEQ}" for n in range(MAX_ESCALATION_REFS + 999)],
         count=estimator.counter.count,
     )
 
@@ -158,8 +158,8 @@ def check_fits_escalated(
     build needs compaction: before, a message that fit beside the prefix alone was logged, compacted, escalated,
     and then failed in the child run, ContextNeedsCompaction, some tokens short beside the escalation's references
     (how many depended on the session's secret: the same turn was answered or failed)."""
-    minimum = ri.model_copy(update={"call_index": 0, "max_seq": _CHECK_SEQ, "user_item_id": message.id, "recall": []})
-    at_end = message.model_copy(update={"seq": _CHECK_SEQ})  # past the stand-in's positions, as the id is the turn's
+    minimum = ri.model_copy(update={"call_index": 0, "max_seq": CHECK_SEQ, "user_item_id": message.id, "recall": []})
+    at_end = message.model_copy(update={"seq": CHECK_SEQ})  # past the stand-in's positions, as the id is the turn's
     body = body_inputs([at_end], escalation_stand_in(estimator), minimum)
     try:
         plan = build(prefix, body, budget=ri.budget, estimator=estimator, secret=secret)
@@ -184,7 +184,7 @@ def beside_stand_in(
     ri = RequestInputs(
         turn=0,
         call_index=0,
-        max_seq=_CHECK_SEQ,
+        max_seq=CHECK_SEQ,
         user_item_id=CHECK_MESSAGE_ID,
         checkpoint_id=None,
         now_iso="2000-01-01T00:00:00+00:00",
@@ -192,7 +192,7 @@ def beside_stand_in(
         budget=roomy,
         estimate_rules=estimator.rules,
     )
-    message = UserMessage(id=CHECK_MESSAGE_ID, seq=_CHECK_SEQ, text="word")
+    message = UserMessage(id=CHECK_MESSAGE_ID, seq=CHECK_SEQ, text="word")
     plan = build(
         prefix,
         body_inputs([message], escalation_stand_in(estimator), ri),
@@ -227,7 +227,7 @@ async def _build_minimum(
     """Build the request of a `message_tokens` message alone beside the prefix, with the corrections, the clock,
     the session's working state (unless `with_working_state` is False) and `checkpoint`'s summary (no history, no
     recall); raises TurnTooLargeError when it does not fit."""
-    message = UserMessage(id=CHECK_MESSAGE_ID, seq=_CHECK_SEQ, text="word " * message_tokens)
+    message = UserMessage(id=CHECK_MESSAGE_ID, seq=CHECK_SEQ, text="word " * message_tokens)
     writes = await state.store.working_state_writes(session_id) if with_working_state else []
     correction_rows = await state.store.corrections(memory_scope, snapshot_ids(prefix))
     ws = working_state(writes, estimator.counter.count, 10**9)

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from activities.minimum_body import CHECK_MESSAGE_ID, ROOM_SLACK_TOKENS, STAND_IN_SEQ, escalation_stand_in
+from activities.minimum_body import CHECK_MESSAGE_ID, CHECK_SEQ, ROOM_SLACK_TOKENS, escalation_stand_in
 from activities.tokens import TiktokenCounter
 from contract.payloads import ModelRoute, SessionOpen
 from core.budget import ContextBudget
@@ -198,7 +198,7 @@ def _takes_turn(
     budget = ContextBudget.model_validate({**budget.model_dump(), "context_window": window - spare})
     # Shaped as a long session's: ids and positions as long as its, a provider's call ids, untrusted results
     # kept as artifacts (their pointers name one), all beside the largest escalation checkpoint a turn may carry.
-    at = STAND_IN_SEQ
+    at = CHECK_SEQ
     pairs: list[HistoryItem] = []
     for i in range(n):
         item, call_id = f"t99999.m7.call{i}", f"toolu_{hashlib.sha256(b'call%d' % i).hexdigest()[:24]}"
