@@ -54,8 +54,12 @@ async def web_fetch(args: dict[str, Any]) -> ToolOutput:
         return ToolOutput(content=page, trust=TrustLevel.EXTERNAL_UNTRUSTED)
     known = PAGES.get(url)
     if known is None:
+        # At the tool's ceiling: the URL is the model's, which may have read it in a page (a TOOL claim here would
+        # be refused as above the ceiling, and logged as a trust-raise attempt).
         return ToolOutput(
-            content=f"error: no page at {url!r} (offline fixtures only)", trust=TrustLevel.TOOL, is_error=True
+            content=f"error: no page at {url!r} (offline fixtures only)",
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            is_error=True,
         )
     return ToolOutput(content=known, trust=TrustLevel.EXTERNAL_UNTRUSTED)
 

@@ -23,6 +23,7 @@ from core.items import (
     ToolCall,
     ToolResult,
     TrustLevel,
+    lowest_trust,
 )
 
 MAX_SUMMARY_DEPTH = 2
@@ -166,10 +167,9 @@ def elide_runs(span: Sequence[HistoryItem], count: Callable[[str], int]) -> list
 
 
 def run_trust(items: Sequence[HistoryItem]) -> TrustLevel:
-    """The trust a pointer to several items carries: EXTERNAL_UNTRUSTED if any is, else the first item's."""
-    if any(i.trust is TrustLevel.EXTERNAL_UNTRUSTED for i in items):
-        return TrustLevel.EXTERNAL_UNTRUSTED
-    return items[0].trust
+    """The trust a pointer to several items carries: the lowest of theirs (EXTERNAL_UNTRUSTED if any is; a TOOL
+    result among MODEL replies makes the run TOOL), never the first item's when a later one is lower."""
+    return lowest_trust(i.trust for i in items)
 
 
 def _elide_run(run: Sequence[HistoryItem], count: Callable[[str], int]) -> ElidedSpan:

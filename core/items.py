@@ -6,7 +6,7 @@ that does not declare `region` and `budget_class` fails at class creation, which
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -30,6 +30,15 @@ class TrustLevel(StrEnum):
     TOOL = "TOOL"
     MEMORY = "MEMORY"
     EXTERNAL_UNTRUSTED = "EXTERNAL_UNTRUSTED"
+
+
+TRUST_ORDER: tuple[TrustLevel, ...] = tuple(TrustLevel)
+"""The trust levels, highest first: who vouches more for a text comes earlier (PLATFORM ... EXTERNAL_UNTRUSTED)."""
+
+
+def lowest_trust(levels: Iterable[TrustLevel]) -> TrustLevel:
+    """The lowest of `levels` by `TRUST_ORDER` (a pointer to a run of items carries it)."""
+    return max(levels, key=TRUST_ORDER.index)
 
 
 class Region(StrEnum):

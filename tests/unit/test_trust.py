@@ -3,10 +3,13 @@ tainted text, enveloped summarizer input, tainted working state, tool trust ceil
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from activities.tools import DEMO_TOOLS, EXECUTORS
 from core.build import BodyInputs, build
 from core.compaction import CompactionDecision, elide_runs, plan_compaction, summarizable
 from core.errors import ToolTrustCeilingError, WorkingStateError
@@ -131,6 +134,19 @@ class TestCompactionOfTaintedText:
         (pointer,) = pointers
         assert pointer.trust is TrustLevel.EXTERNAL_UNTRUSTED and pointer.tainted
         assert pointer.reference == "span:1-3" and pointer.original_tokens > 0
+
+    def test_a_run_takes_its_lowest_trust_not_its_first(self) -> None:
+        """A tainted reply, its call, the trusted tool's result and the next reply: the pointer is TOOL content, not
+        MODEL content (the first item's), as `Store.resolve` says of the span too (run_trust)."""
+        run: list[HistoryItem] = [
+            AssistantMessage(id="a0", seq=4, text="saving it", tainted=True),
+            ToolCall(id="c0", seq=5, call_id="k", tool_name="notes.save", arguments={"t": "x"}, tainted=True),
+            ToolResult(id="r0", seq=6, call_id="k", tool_name="notes.save", content="saved", tainted=True),
+            AssistantMessage(id="a1", seq=7, text="saved", tainted=True),
+        ]
+        (pointer,) = elide_runs(run, count)
+        assert pointer.reference == "span:4-7" and pointer.tainted
+        assert pointer.trust is TrustLevel.TOOL
 
     def test_a_single_elided_item_keeps_its_own_reference(self) -> None:
         """A lone untrusted result is pointed at by its artifact, as before runs existed."""
@@ -297,3 +313,19 @@ class TestToolTrustCeiling:
         """An executor's exception message may quote what the tool read: it is stored at the tool's ceiling (a web
         tool's error is untrusted), never above TOOL (the text is not the user's words)."""
         assert failure_trust(ceiling) is stored
+
+    @pytest.mark.parametrize(
+        ("tool", "args"),
+        [
+            ("web.fetch", {"url": "fixture://marker/m1"}),
+            ("web.fetch", {"url": "https://nowhere.example/"}),  # its error path quotes the model's URL
+            ("notes.save", {"text": "hello"}),
+            ("clock.wait", {"seconds": 0}),
+        ],
+    )
+    def test_the_demo_tools_claim_no_more_than_their_ceiling(self, tool: str, args: dict[str, object]) -> None:
+        """Every result of the demo executors, errors included, is at or below its tool's declared ceiling: an
+        ordinary failure is never refused and logged as a trust-raise attempt."""
+        ceiling = TrustLevel(next(t for t in DEMO_TOOLS if t["name"] == tool).get("max_trust", "TOOL"))
+        out = asyncio.run(EXECUTORS[tool](args))
+        assert result_trust(tool, claimed=out.trust, ceiling=ceiling) is out.trust
