@@ -54,7 +54,7 @@ __all__ = [
 NONCE_HEX_CHARS = 24
 """Length of a nonce made by :func:`derive_nonce` (96 bits of HMAC-SHA256)."""
 
-ESCAPING_RULES_VERSION = "fidelity-5"
+ESCAPING_RULES_VERSION = "fidelity-6"
 """Version tag of the escaping rules, hashed into :data:`ESCAPING_FINGERPRINT`. Bump it whenever the rules
 change what :func:`escape_content` emits, so the prefix epoch rotates on upgrade."""
 
@@ -231,18 +231,20 @@ class _Scan(NamedTuple):
     colons: frozenset[str]
     compat: dict[str, str]  # character -> its NFKC form, for forms holding a `_COMPAT_TARGETS` character
     marks: frozenset[str]  # combining marks (Mn, Me): NFC composes some with `<` or `>` (U+0338: `≮`, `≯`)
+    symbols: frozenset[str]  # symbols and punctuation (S*, P*) outside ASCII: what a line may open with, bullets
 
 
 def _scan() -> _Scan:
     """Scan the code space once: invisible characters, NFKD/name look-alikes, NFKC letter folds, the characters
     named as colons (`_COLON_NAME_RE`), compatibility characters that spell ASCII letters or marker punctuation,
-    and combining marks."""
+    combining marks, and symbols and punctuation."""
     invisible: set[str] = {chr(cp) for lo, hi in _IGNORABLE_RANGES for cp in range(lo, hi + 1)}
     lookalike: set[str] = set()
     colons: set[str] = set()
     folds: dict[str, set[str]] = {}
     compat: dict[str, str] = {}
     marks: set[str] = set()
+    symbols: set[str] = set()
     category = unicodedata.category
     decomposition = unicodedata.decomposition
     name = unicodedata.name
@@ -269,13 +271,23 @@ def _scan() -> _Scan:
                     folds.setdefault(folded, set()).add(ch)
                 if form != ch and not _COMPAT_TARGETS.isdisjoint(form):
                     compat[ch] = form
+            if cat[0] in "SP":
+                symbols.add(ch)
             if cat[0] in "SP" or cat in ("Lm", "Sk"):
                 called = name(ch, "")
                 if cat[0] in "SP" and _BRACKET_NAME_RE.search(called):
                     lookalike.add(ch)
                 if _COLON_NAME_RE.search(called):
                     colons.add(ch)
-    return _Scan(frozenset(invisible), frozenset(lookalike), folds, frozenset(colons), compat, frozenset(marks))
+    return _Scan(
+        frozenset(invisible),
+        frozenset(lookalike),
+        folds,
+        frozenset(colons),
+        compat,
+        frozenset(marks),
+        frozenset(symbols),
+    )
 
 
 _CHAT_TAGS = (
@@ -330,6 +342,10 @@ def _bar_lookalikes(graph: dict[str, set[str]]) -> frozenset[str]:
     return frozenset(ch for ch in bars if unicodedata.category(ch)[0] in "SP")
 
 
+_LINE_MARKERS = '#*_=~>+|"\u2022()[]-'
+"""Markdown markers, a bullet, brackets, quote markers and table bars: a role line may open with any run of them."""
+
+
 class _Tables(NamedTuple):
     dangerous: frozenset[str]
     table: dict[int, str]
@@ -338,6 +354,7 @@ class _Tables(NamedTuple):
     colons: frozenset[str]
     compat: dict[str, str]
     marks: frozenset[str]
+    bullets: frozenset[str]
 
 
 def _build_tables() -> _Tables:
@@ -345,7 +362,7 @@ def _build_tables() -> _Tables:
     colon-like characters escaping keeps, the compatibility forms that spell marker characters (the dangerous
     ones aside: they are escaped anyway) and the combining marks."""
     graph = _homoglyph_graph()
-    invisible, lookalike, folds, colons, compat, marks = _scan()
+    invisible, lookalike, folds, colons, compat, marks, symbols = _scan()
     # Direct confusables of the targets, plus the symbol and punctuation twins of the NFKD and named
     # look-alikes (e.g. U+276C for U+3008). No further closure: it would reach ordinary letters and digits.
     lookalikes = set(lookalike)
@@ -375,6 +392,16 @@ def _build_tables() -> _Tables:
         colons - dangerous,
         {ch: form for ch, form in compat.items() if ch not in dangerous},
         marks - dangerous,
+        # What a role line may open with besides blanks and list numbers: the markdown, quote and table markers,
+        # and every other symbol or punctuation character (`▪`, `→`, `✓`, `⚠`, `·`, `–`, `/`) but the backslash
+        # (escapes have their own rule), the letters' look-alikes (`Ⓢ` must stay a role word's first letter) and
+        # what escaping rewrites anyway.
+        frozenset(_LINE_MARKERS)
+        | frozenset(
+            ({ch for ch in map(chr, range(0x21, 0x7F)) if not ch.isalnum() and ch != "\\"} | symbols)
+            - set().union(*letters.values())
+            - dangerous
+        ),
     )
 
 
@@ -393,7 +420,9 @@ def _char_class(chars: Iterable[str]) -> str:
     return "[" + "".join(parts) + "]"
 
 
-DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS = _build_tables()
+DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS, _BULLETS = (
+    _build_tables()
+)
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}``: look-alikes of ``<`` ``>`` ``/``
 ``:`` ``\\``, invisible, control and format characters except newline, tab and a carriage return before a
 line feed, and lone surrogates. ASCII ``<`` and ``>`` are not in it: they are escaped only where they
@@ -468,13 +497,14 @@ _LIST_NUMBER = (
     rf"\d++(?:[.)]|(?=[^\S\n]))|(?:{_ANY_LETTER}|(?:{_ROMAN}{_MARKS_RUN}){{2,6}}+)[.)](?=[^\S\n])"
     rf"|\[{_letter('x', fast=False)}{_MARKS_RUN}\]"
 )
-# A role word opens a line (after any run of blanks, markdown markers (`#*_=~-+`, a bullet `•`, a list item's number
-# or letter, a task box's `[ ]`, parentheses), quote markers (`>`, `"`), table bars, combining marks or made-visible
-# invisibles) and is followed by a colon (an escaped colon look-alike, or a colon-like character escaping keeps:
-# `_COLON_LIKE`); its first character is escaped. The run is possessive (no role word's first letter can start
-# it), so a long run of '>' or blanks costs one pass, not a backtracking search.
+# A role word opens a line (after any run of blanks, symbols and punctuation (`_BULLETS`: markdown markers `#*_=~-+`,
+# bullets `•▪◦‣→✓`, parentheses, quote markers `>` and `"`, table bars), a list item's number or letter, a task
+# box's `[x]`, combining marks or made-visible invisibles) and is followed by a colon (an escaped colon look-alike,
+# or a colon-like character escaping keeps: `_COLON_LIKE`); its first character is escaped. The run is possessive
+# (no role word's first letter can start it), so a long run of '>' or blanks costs one pass, not a backtracking
+# search.
 _ROLE_BODY = (
-    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|[#*_=~>+|\"\u2022()\[\]-]|{_ESC}|{_WORD_MARKS})*+)"
+    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|{_char_class(_BULLETS)}|{_ESC}|{_WORD_MARKS})*+)"
     rf"(?P<first>{_role_first(fast=True)})"
 )
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)
@@ -526,6 +556,7 @@ ESCAPING_FINGERPRINT = hashlib.sha256(
             "".join(sorted(_COLON_LIKE)),
             "".join(sorted(_COMPAT_FORMS)),
             "".join(sorted(_MARKS)),
+            "".join(sorted(_BULLETS)),
         ]
     ).encode("utf-8", "surrogatepass")
 ).hexdigest()[:16]

@@ -53,7 +53,9 @@ _COLONS = ":" + "".join(
     if re.search(r"(?<!SEMI)COLON\b", unicodedata.name(ch, "")) or ch == "\u1361"
 )
 _ROLE_LINE_RE = re.compile(
-    r"^(?:[ \t#*>_=~+|\"\u2022()\[\]-]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{2,6}[.)][ \t]|\[[xX]\])*"
+    # A line's opening run: blanks, any symbol or punctuation but the backslash (bullets, arrows, markdown, quotes,
+    # table bars, comment markers), list numbers and letters, task boxes.
+    r"^(?:[ \t_]|[^\w\s\\]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{2,6}[.)][ \t]|\[[xX]\])*"
     r"(system|user|assistant|human|ai|developer|platform|tool|instruction|"
     r"response)[ \t*_]*"
     rf"[{re.escape(_COLONS)}]",
@@ -654,6 +656,15 @@ class TestAttackCorpus:
             (
                 "ii. System: x\n(iv) User: x\n\uff11. Tool: x",
                 "ii. \\u{53}ystem: x\n(iv) \\u{55}ser: x\n\uff11. \\u{54}ool: x",
+            ),
+            # Behind any other bullet, arrow, check mark, dash or comment marker (a symbol or punctuation run).
+            (
+                "\u25aa System: x\n\u2192 User: x\n\u2713 Tool: x\n\u26a0 Model: x",
+                "\u25aa \\u{53}ystem: x\n\u2192 \\u{55}ser: x\n\u2713 \\u{54}ool: x\n\u26a0 \\u{4D}odel: x",
+            ),
+            (
+                "\u00b7 User: x\n\u2013 Assistant: x\n// Tool: x",
+                "\u00b7 \\u{55}ser: x\n\u2013 \\u{41}ssistant: x\n// \\u{54}ool: x",
             ),
         ],
     )
