@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -51,6 +52,37 @@ MAX_MESSAGE_CHARS = 600
 _TRANSIENT_SQLSTATE = {"08", "40", "53", "57", "58", "XX"}
 
 
+# When each running activity (by its workflow run and activity id) first found PostgreSQL unreachable, on this
+# worker (`time.monotonic()`): its later attempts here wait out what is left of `STORE_OUTAGE_WAIT_S`, and fail for
+# good once it is spent, instead of each taking a fresh budget (a tool's first attempt waits up to its timeout for
+# the store, and its 40 retries waited as long again; a model call's four attempts waited four times as long).
+# Forgotten when the store answers or the activity fails for good, and at every activity's first attempt.
+_OUTAGES: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+_OUTAGES_KEPT = 4_096
+
+
+def _outage_key() -> tuple[str, str, str]:
+    info = activity.info()
+    return (info.workflow_id or "", info.workflow_run_id or "", info.activity_id)
+
+
+def outage_since() -> float:
+    """When this activity's outage began (as this worker saw it): the first transient failure of this attempt or of
+    an earlier attempt here; now, if none."""
+    key = _outage_key()
+    since = _OUTAGES.get(key)
+    if since is None:
+        since = _OUTAGES[key] = time.monotonic()
+        while len(_OUTAGES) > _OUTAGES_KEPT:
+            _OUTAGES.popitem(last=False)
+    return since
+
+
+def outage_over() -> None:
+    """The store answered (or the activity ends): the next transient failure starts a new outage."""
+    _OUTAGES.pop(_outage_key(), None)
+
+
 def short(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -67,21 +99,22 @@ def transient(exc: BaseException) -> bool:
 async def store_waiting(op: Callable[[], Awaitable[T]]) -> T:
     """`op()`, a read or write of the store, tried again while PostgreSQL is unreachable or restarting
     (`transient`): 0.2 s, doubling, at most 2 s apart, for as long as the other activities' retries wait out an
-    outage (`STORE_OUTAGE_WAIT_S`) and this attempt has time left. For what an attempt must not throw away or do
+    outage (`STORE_OUTAGE_WAIT_S`, counted from the outage's first failure in this or an earlier attempt on this
+    worker: `outage_since`) and this attempt has time left. For what an attempt must not throw away or do
     twice for a database blink: a model call's provider call and its reply, a tool's run and its result (the
     writes are idempotent: a retry of one that did commit finds it done). The interceptor heartbeats meanwhile."""
     info = activity.info()
-    left = STORE_OUTAGE_WAIT_S
+    attempt_left = float("inf")
     if info.start_to_close_timeout is not None:
         ends = info.started_time + info.start_to_close_timeout
-        left = min(left, (ends - datetime.now(UTC)).total_seconds() - 1.0)
-    deadline = time.monotonic() + left
+        attempt_left = (ends - datetime.now(UTC)).total_seconds() - 1.0
+    attempt_ends = time.monotonic() + attempt_left
     delay = INITIAL_INTERVAL_S
     while True:
         try:
-            return await op()
+            result = await op()
         except Exception as exc:
-            if not transient(exc) or time.monotonic() + delay > deadline:
+            if not transient(exc) or time.monotonic() + delay > min(attempt_ends, outage_since() + STORE_OUTAGE_WAIT_S):
                 raise
             log.warning(
                 "store.waiting",
@@ -93,6 +126,9 @@ async def store_waiting(op: Callable[[], Awaitable[T]]) -> T:
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAXIMUM_INTERVAL_S)
+        else:
+            outage_over()
+            return result
 
 
 def classify(exc: BaseException) -> ApplicationError:
@@ -112,10 +148,15 @@ def classify(exc: BaseException) -> ApplicationError:
 
 class _Inbound(ActivityInboundInterceptor):
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        if activity.info().attempt == 1:
+            outage_over()  # a new activity: an outage an earlier one (of another run with its ids) saw is not its
         beat = asyncio.create_task(_heartbeat_forever()) if activity.info().heartbeat_timeout else None
         try:
-            return await super().execute_activity(input)
+            result = await super().execute_activity(input)
+            outage_over()
+            return result
         except (ApplicationError, CancelledError, asyncio.CancelledError) as exc:
+            outage_over()
             if isinstance(exc, ApplicationError) and len(exc.message) > MAX_MESSAGE_CHARS:
                 raise ApplicationError(
                     short(exc.message), *exc.details, type=exc.type, non_retryable=exc.non_retryable
@@ -124,6 +165,14 @@ class _Inbound(ActivityInboundInterceptor):
         except Exception as exc:
             info = activity.info()
             failure = classify(exc)
+            if failure.non_retryable:
+                outage_over()
+            elif time.monotonic() - outage_since() > STORE_OUTAGE_WAIT_S:
+                # Unreachable for longer than the retries wait out, counted from the outage's first failure here
+                # (an earlier attempt may have waited for the store within itself): fail for good, as the 40th
+                # attempt of a fast-failing activity does.
+                outage_over()
+                failure = ApplicationError(failure.message, type=failure.type, non_retryable=True)
             log.error(
                 "activity.failed",
                 activity=info.activity_type,

@@ -18,7 +18,8 @@ SEAL_MAX_ATTEMPTS = 3
 # So a model call spends no attempt on a database outage, and neither a model call nor a tool throws away what it
 # got: within one attempt it waits for PostgreSQL (before the provider call and after the reply, which is then
 # stored; after a tool's run, whose result is then logged), as long as the other activities' 40 attempts do (~75 s)
-# and its attempt has time left (activities/failures.py: store_waiting).
+# and its attempt has time left, counted from the outage's first failure on the worker, in this attempt or an earlier
+# one; once spent, the activity's next failure is final (activities/failures.py: store_waiting, outage_since).
 STORE_OUTAGE_WAIT_S = 75.0
 INITIAL_INTERVAL_S = 0.2
 MAXIMUM_INTERVAL_S = 2.0

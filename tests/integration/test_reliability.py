@@ -23,8 +23,10 @@ import asyncpg
 import pytest
 from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.api.history.v1 import HistoryEvent
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 
+from activities import failures
 from activities.provider import ProviderReply, ProviderRequest, ScriptedProvider
 from activities.store import Store
 from activities.tools import EXECUTORS, ToolOutput
@@ -424,6 +426,45 @@ async def test_postgres_restart_during_a_tool_runs_it_once(
             [result] = [r.payload for r in await store.load_items(handle.id) if r.payload["kind"] == "tool_result"]
             assert (result["content"], result["is_error"], result["trust"]) == ("waited, run 1", False, trust.value)
             assert (result["artifact_ref"] is not None) == (trust is TrustLevel.EXTERNAL_UNTRUSTED)
+
+
+OUTAGE_BUDGET_S = 3.0  # STORE_OUTAGE_WAIT_S for the test below (75 s in production)
+
+
+async def test_an_outage_longer_than_the_budget_fails_the_turn_once_it_is_spent(
+    temporal_client: Client, pg_restartable: EmbeddedPostgres, task_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL stopped while a tool runs and left down: the tool's attempt waits for the store within itself
+    (its timeout is long), and the turn fails, typed, once the outage has lasted the budget, counted from its first
+    failure: not the attempt's wait and then the 40 retries' (before, 12 s and then about 75 s more; the tool and
+    model call each took a fresh budget per attempt). The session answers the next turn once PostgreSQL is back."""
+    monkeypatch.setattr(failures, "STORE_OUTAGE_WAIT_S", OUTAGE_BUDGET_S)
+    tool = _OutageTool(pg_restartable, TrustLevel.TOOL)
+    async with _database_on(pg_restartable) as dsn:
+        async with stack(temporal_client, dsn, task_queue, executors={**EXECUTORS, "clock.wait": tool}) as store:
+            timeouts = CRASH.model_copy(update={"tool_seconds": 12})
+            handle = await start(temporal_client, task_queue, session_open(timeouts=timeouts))
+            await turn(handle, "hello before the outage", update_id="turn-1")
+            try:
+                pending = asyncio.create_task(turn(handle, '/call clock.wait {"seconds": 0}', update_id="turn-2"))
+                await _until(lambda: asyncio.sleep(0, tool.runs or None), "the tool to run")
+                ran = time.monotonic()
+                with pytest.raises(WorkflowUpdateFailedError) as failed:
+                    await asyncio.wait_for(pending, timeout=30)
+                took = time.monotonic() - ran
+            finally:
+                await pg_restartable.start()
+            cause = failed.value.cause
+            # Typed by the transient cause's class (docs/contract.md): the socket is gone while PostgreSQL is down.
+            assert isinstance(cause, ApplicationError) and cause.type in ("FileNotFoundError", "ConnectionRefusedError")
+            # The budget, its last retry's backoff (at most 2 s) and the turn's failure path, not the tool's timeout.
+            assert OUTAGE_BUDGET_S < took < timeouts.tool_seconds, took
+            after = await turn(handle, "hello after the outage", update_id="turn-3")
+            assert after.turn == 3 and tool.runs == 1
+            results = [r.payload for r in await store.load_items(handle.id) if r.payload["kind"] == "tool_result"]
+            assert [(r["is_error"], r["content"].startswith("error: no result was logged")) for r in results] == [
+                (True, True)
+            ]
 
 
 # ------------------------------------------------------------------- 3. two workers, one killed, 20 sessions
