@@ -360,7 +360,7 @@ class _Tables(NamedTuple):
 def _build_tables() -> _Tables:
     """Return the dangerous set, the escape table, the look-alikes of each ASCII letter, the bars, the
     colon-like characters escaping keeps, the compatibility forms that spell marker characters (the dangerous
-    ones aside: they are escaped anyway) and the combining marks."""
+    ones aside: they are escaped anyway), the combining marks, and what a role line may open with."""
     graph = _homoglyph_graph()
     invisible, lookalike, folds, colons, compat, marks, symbols = _scan()
     # Direct confusables of the targets, plus the symbol and punctuation twins of the NFKD and named
