@@ -355,6 +355,7 @@ class _Tables(NamedTuple):
     compat: dict[str, str]
     marks: frozenset[str]
     bullets: frozenset[str]
+    guarded: frozenset[str]
 
 
 def _build_tables() -> _Tables:
@@ -384,6 +385,7 @@ def _build_tables() -> _Tables:
         for twin in [ch for ch in members if ch.isascii() and ch.isalpha() and ch.lower() != letter]:
             members |= {ch for ch in graph.get(twin, set()) if not ch.isascii()}
         letters[letter] = frozenset(members - dangerous)
+    openers = ({ch for ch in map(chr, range(0x21, 0x7F)) if not ch.isalnum() and ch != "\\"} | symbols) - dangerous
     return _Tables(
         dangerous,
         table,
@@ -396,12 +398,10 @@ def _build_tables() -> _Tables:
         # and every other symbol or punctuation character (`▪`, `→`, `✓`, `⚠`, `·`, `–`, `/`) but the backslash
         # (escapes have their own rule), the letters' look-alikes (`Ⓢ` must stay a role word's first letter) and
         # what escaping rewrites anyway.
-        frozenset(_LINE_MARKERS)
-        | frozenset(
-            ({ch for ch in map(chr, range(0x21, 0x7F)) if not ch.isalnum() and ch != "\\"} | symbols)
-            - set().union(*letters.values())
-            - dangerous
-        ),
+        frozenset(_LINE_MARKERS) | (openers - set().union(*letters.values())),
+        # The letters' look-alikes among them (`Ⓢ`, `∨`): a role line may open with one too, unless a role word
+        # spelled with look-alikes starts at it (`Ⓢystem:`), whose first letter it then is.
+        frozenset((openers & set().union(*letters.values())) - set(_LINE_MARKERS)),
     )
 
 
@@ -420,7 +420,7 @@ def _char_class(chars: Iterable[str]) -> str:
     return "[" + "".join(parts) + "]"
 
 
-DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS, _BULLETS = (
+DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS, _BULLETS, _GUARDED = (
     _build_tables()
 )
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}``: look-alikes of ``<`` ``>`` ``/``
@@ -504,7 +504,8 @@ _LIST_NUMBER = (
 # (no role word's first letter can start it), so a long run of '>' or blanks costs one pass, not a backtracking
 # search.
 _ROLE_BODY = (
-    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|{_char_class(_BULLETS)}|{_ESC}|{_WORD_MARKS})*+)"
+    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|{_char_class(_BULLETS)}|(?!{_role_first(fast=False)}){_char_class(_GUARDED)}"
+    rf"|{_ESC}|{_WORD_MARKS})*+)"
     rf"(?P<first>{_role_first(fast=True)})"
 )
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)
@@ -557,6 +558,7 @@ ESCAPING_FINGERPRINT = hashlib.sha256(
             "".join(sorted(_COMPAT_FORMS)),
             "".join(sorted(_MARKS)),
             "".join(sorted(_BULLETS)),
+            "".join(sorted(_GUARDED)),
         ]
     ).encode("utf-8", "surrogatepass")
 ).hexdigest()[:16]

@@ -52,10 +52,14 @@ _COLONS = ":" + "".join(
     for ch in map(chr, range(0x80, 0x30000))
     if re.search(r"(?<!SEMI)COLON\b", unicodedata.name(ch, "")) or ch == "\u1361"
 )
+# Symbols and punctuation (Unicode S and P) but the backslash: bullets, arrows, markdown, quotes, table bars, comment
+# markers. A run of them may open a role line.
+_OPENERS = "".join(
+    re.escape(ch) for ch in map(chr, range(0x21, 0x30000)) if unicodedata.category(ch)[0] in "SP" and ch != "\\"
+)
 _ROLE_LINE_RE = re.compile(
-    # A line's opening run: blanks, any symbol or punctuation but the backslash (bullets, arrows, markdown, quotes,
-    # table bars, comment markers), list numbers and letters, task boxes.
-    r"^(?:[ \t_]|[^\w\s\\]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{2,6}[.)][ \t]|\[[xX]\])*"
+    # A line's opening run: blanks, symbols and punctuation, list numbers and letters, task boxes.
+    rf"^(?:[ \t_]|[{_OPENERS}]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{{2,6}}[.)][ \t]|\[[xX]\])*"
     r"(system|user|assistant|human|ai|developer|platform|tool|instruction|"
     r"response)[ \t*_]*"
     rf"[{re.escape(_COLONS)}]",
@@ -666,6 +670,8 @@ class TestAttackCorpus:
                 "\u00b7 User: x\n\u2013 Assistant: x\n// Tool: x",
                 "\u00b7 \\u{55}ser: x\n\u2013 \\u{41}ssistant: x\n// \\u{54}ool: x",
             ),
+            # Behind a letter's look-alike that is a symbol (`Ⓢ`), unless a role word spelled with it starts there.
+            ("\u24c8 System: x\n\u24c8ystem: x", "\u24c8 \\u{53}ystem: x\n\\u{24C8}ystem: x"),
         ],
     )
     def test_escape_examples(self, text: str, escaped: str) -> None:
