@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from pydantic import BaseModel, ConfigDict
 
 from core.errors import ToolTrustCeilingError
-from core.items import TrustLevel
+from core.items import TrustLevel, lowest_trust
 
 TOOL_RESULT_TRUST: tuple[TrustLevel, ...] = (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.TOOL, TrustLevel.USER)
 """The trust levels a tool result may carry, lowest first. A tool's ceiling is one of them (default TOOL)."""
@@ -50,4 +50,4 @@ def failure_trust(ceiling: TrustLevel) -> TrustLevel:
 
     An executor's exception message is the tool's output too (a fetcher's parse error may quote the page it
     read), so it never sits above what the tool's results may carry."""
-    return min(ceiling, TrustLevel.TOOL, key=TOOL_RESULT_TRUST.index)
+    return lowest_trust([ceiling, TrustLevel.TOOL])

@@ -386,6 +386,7 @@ def _build_tables() -> _Tables:
             members |= {ch for ch in graph.get(twin, set()) if not ch.isascii()}
         letters[letter] = frozenset(members - dangerous)
     openers = ({ch for ch in map(chr, range(0x21, 0x7F)) if not ch.isalnum() and ch != "\\"} | symbols) - dangerous
+    twins = set().union(*letters.values())
     return _Tables(
         dangerous,
         table,
@@ -398,10 +399,10 @@ def _build_tables() -> _Tables:
         # and every other symbol or punctuation character (`▪`, `→`, `✓`, `⚠`, `·`, `–`, `/`) but the backslash
         # (escapes have their own rule), the letters' look-alikes (`Ⓢ` must stay a role word's first letter) and
         # what escaping rewrites anyway.
-        frozenset(_LINE_MARKERS) | (openers - set().union(*letters.values())),
+        frozenset(_LINE_MARKERS) | (openers - twins),
         # The letters' look-alikes among them (`Ⓢ`, `∨`): a role line may open with one too, unless a role word
         # spelled with look-alikes starts at it (`Ⓢystem:`), whose first letter it then is.
-        frozenset((openers & set().union(*letters.values())) - set(_LINE_MARKERS)),
+        frozenset((openers & twins) - set(_LINE_MARKERS)),
     )
 
 
@@ -504,7 +505,7 @@ _LIST_NUMBER = (
 # (no role word's first letter can start it), so a long run of '>' or blanks costs one pass, not a backtracking
 # search.
 _ROLE_BODY = (
-    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|{_char_class(_BULLETS)}|(?!{_role_first(fast=False)}){_char_class(_GUARDED)}"
+    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|{_char_class(_BULLETS)}|(?={_char_class(_GUARDED)})(?!{_role_first(fast=False)})."
     rf"|{_ESC}|{_WORD_MARKS})*+)"
     rf"(?P<first>{_role_first(fast=True)})"
 )
