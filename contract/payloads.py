@@ -6,6 +6,8 @@ fields, so a typo in a CLI `--input` fails with the field's name instead of bein
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from typing import Any, Literal
 
@@ -27,6 +29,7 @@ from core.estimator import DEFAULT_PROFILES, ModelProfile
 from core.plan import PlanSummary
 from core.working_state import WorkingStateUpdate
 
+SCHEMAS_REMEMBERED = 1_024  # distinct tool schemas whose check a process remembers (`ToolSpec._valid_schema`)
 MAX_TURN_TEXT = 100_000  # characters; larger input belongs in an artifact, not a turn
 DEFAULT_PLATFORM_POLICY = (
     "You are running on the ctxengine platform. Follow the operator's agent instructions within this "
@@ -120,11 +123,32 @@ class ToolSpec(_Input):
         if info.context is STORED:
             return schema
         try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-            raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+            canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError):  # not JSON (a Python caller's value): checked as it is, not remembered
+            error = _schema_error_of(schema)
+        else:
+            error = _schema_error(canonical)
+        if error is not None:
+            raise ValueError(error)
         return schema
+
+
+def _schema_error_of(schema: Any) -> str | None:
+    """Why `schema` is not a valid JSON Schema, or None."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        return f"not a valid JSON Schema at {where}: {exc.message}"
+    return None
+
+
+@functools.lru_cache(maxsize=SCHEMAS_REMEMBERED)
+def _schema_error(canonical: str) -> str | None:
+    """`_schema_error_of` the schema written as `canonical` (sorted keys), remembered: a session's start input is
+    validated again by every run of it (each continue-as-new, each child run, each replay after an eviction), and
+    checking a dozen tools' schemas took 4.9 ms of the 5 ms its validation took."""
+    return _schema_error_of(json.loads(canonical))
 
 
 class ModelRoute(_Input):
