@@ -54,7 +54,7 @@ __all__ = [
 NONCE_HEX_CHARS = 24
 """Length of a nonce made by :func:`derive_nonce` (96 bits of HMAC-SHA256)."""
 
-ESCAPING_RULES_VERSION = "fidelity-6"
+ESCAPING_RULES_VERSION = "fidelity-7"
 """Version tag of the escaping rules, hashed into :data:`ESCAPING_FINGERPRINT`. Bump it whenever the rules
 change what :func:`escape_content` emits, so the prefix epoch rotates on upgrade."""
 
@@ -345,6 +345,10 @@ def _bar_lookalikes(graph: dict[str, set[str]]) -> frozenset[str]:
 _LINE_MARKERS = '#*_=~>+|"\u2022()[]-'
 """Markdown markers, a bullet, brackets, quote markers and table bars: a role line may open with any run of them."""
 
+_CLOSER_CATEGORIES = frozenset({"Pe", "Pf", "Pi"})
+"""Closing brackets (Pe) and quotes (Pf, and Pi, the closing quote of German and Czech): a run of them may stand
+between a role word and its colon (`(System):`, `[User]:`, `„System“:`)."""
+
 
 class _Tables(NamedTuple):
     dangerous: frozenset[str]
@@ -356,12 +360,14 @@ class _Tables(NamedTuple):
     marks: frozenset[str]
     bullets: frozenset[str]
     guarded: frozenset[str]
+    closers: frozenset[str]
 
 
 def _build_tables() -> _Tables:
     """Return the dangerous set, the escape table, the look-alikes of each ASCII letter, the bars, the
     colon-like characters escaping keeps, the compatibility forms that spell marker characters (the dangerous
-    ones aside: they are escaped anyway), the combining marks, and what a role line may open with."""
+    ones aside: they are escaped anyway), the combining marks, what a role line may open with, and the closing
+    punctuation that may stand between a role word and its colon."""
     graph = _homoglyph_graph()
     invisible, lookalike, folds, colons, compat, marks, symbols = _scan()
     # Direct confusables of the targets, plus the symbol and punctuation twins of the NFKD and named
@@ -403,32 +409,65 @@ def _build_tables() -> _Tables:
         # The letters' look-alikes among them (`Ⓢ`, `∨`): a role line may open with one too, unless a role word
         # spelled with look-alikes starts at it (`Ⓢystem:`), whose first letter it then is.
         frozenset((openers & twins) - set(_LINE_MARKERS)),
+        # Closing brackets and quotes (Pe, Pf, and Pi, which closes a quote in German or Czech: `„System“:`), ASCII
+        # `)` `]` `}` among them; not ASCII `"` or `'` (Po), so a JSON key such as `"model": "x"` stays as written.
+        frozenset(({ch for ch in symbols if unicodedata.category(ch) in _CLOSER_CATEGORIES} | set(")]}")) - dangerous)
+        - colons,
     )
+
+
+_OPAQUE_CATEGORIES = frozenset({"Cn", "Co"})
+
+
+def _opaque_ranges(dangerous: frozenset[str]) -> tuple[tuple[int, int], ...]:
+    """Return the ranges of unassigned (Cn) and private-use (Co) code points, the dangerous ones aside (default
+    ignorables such as U+2065 are unassigned): a role line may open with them, since a reader sees a box, nothing, or
+    (private use) an icon font's glyph, as a bullet.
+    They lie in every plane, so the whole code space is read once, as bytes the regex module splits into runs
+    (about 0.2 s at import; a set of the ~970,000 code points would take far longer and hundreds of MB)."""
+    flags = bytearray(map(_OPAQUE_CATEGORIES.__contains__, map(unicodedata.category, map(chr, range(0x110000)))))
+    for ch in dangerous:
+        flags[ord(ch)] = 0
+    return tuple((m.start(), m.end() - 1) for m in re.finditer(rb"\x01+", flags))
 
 
 def _char_class(chars: Iterable[str]) -> str:
     """Return a regex character class matching exactly ``chars`` (merged into ranges)."""
     points = sorted({ord(ch) for ch in chars})
-    parts: list[str] = []
+    ranges: list[tuple[int, int]] = []
     i = 0
     while i < len(points):
         j = i
         while j + 1 < len(points) and points[j + 1] == points[j] + 1:
             j += 1
-        lo, hi = points[i], points[j]
-        parts.append(f"\\U{lo:08x}" if lo == hi else f"\\U{lo:08x}-\\U{hi:08x}")
+        ranges.append((points[i], points[j]))
         i = j + 1
-    return "[" + "".join(parts) + "]"
+    return _range_class(ranges)
 
 
-DANGEROUS_CHARS, _ESCAPE_TABLE, _LETTER_LOOKALIKES, _BARS, _COLON_LIKE, _COMPAT_FORMS, _MARKS, _BULLETS, _GUARDED = (
-    _build_tables()
-)
+def _range_class(ranges: Iterable[tuple[int, int]]) -> str:
+    """Return a regex character class matching the code points of ``ranges`` (inclusive pairs)."""
+    return "[" + "".join(f"\\U{lo:08x}" if lo == hi else f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges) + "]"
+
+
+(
+    DANGEROUS_CHARS,
+    _ESCAPE_TABLE,
+    _LETTER_LOOKALIKES,
+    _BARS,
+    _COLON_LIKE,
+    _COMPAT_FORMS,
+    _MARKS,
+    _BULLETS,
+    _GUARDED,
+    _CLOSERS,
+) = _build_tables()
 """Every character :func:`escape_content` always rewrites as ``\\u{HEX}``: look-alikes of ``<`` ``>`` ``/``
 ``:`` ``\\``, invisible, control and format characters except newline, tab and a carriage return before a
 line feed, and lone surrogates. ASCII ``<`` and ``>`` are not in it: they are escaped only where they
 would start a boundary or a chat token."""
 _COMPAT_SET = frozenset(_COMPAT_FORMS)
+_OPAQUE = _opaque_ranges(DANGEROUS_CHARS)
 
 _ATTR_TABLE = {**_ESCAPE_TABLE, **{ord(ch): f"\\u{{{ord(ch):X}}}" for ch in '"\n\r<>'}}
 """Attribute values also escape ``"``, line breaks and every ``<`` and ``>``: the opener stays one clean line."""
@@ -466,12 +505,15 @@ _HSPACE = r"[^\S\n]"
 # a possessive run of them after a letter never takes the next letter.
 _WORD_MARKS = _char_class(_MARKS.difference(*_LETTER_LOOKALIKES.values()))
 _MARKS_RUN = _WORD_MARKS + "*+"
-# Blanks, then `*`/`_`, then blanks, between a role word and its colon, combining marks anywhere among them. Possessive
-# runs: blanks, `*`/`_` and colons are disjoint sets (marks may join any run, the first that meets them takes them),
-# so a role word before a long run of blanks costs one pass, not a search over every split of the run.
+# Blanks, then `*`/`_`, then blanks, combining marks anywhere among them.
+_STARRED = rf"(?:{_HSPACE}|{_WORD_MARKS})*+(?:[*_]|{_WORD_MARKS})*+(?:{_HSPACE}|{_WORD_MARKS})*+"
+_CLOSING = _char_class(_CLOSERS)
+# Between a role word and its colon: `_STARRED`, then optionally a run of closing brackets and quotes (`_CLOSERS`)
+# and `_STARRED` again (`(System):`, `**[User]** :`, `System”:`). Possessive runs: blanks, `*`/`_`, closers and colons
+# are disjoint sets (marks may join any run, the first that meets them takes them), so a role word before a long run
+# of blanks or closers costs one pass, not a search over every split of the run.
 _COLON_AHEAD = (
-    rf"(?:{_HSPACE}|{_WORD_MARKS})*+(?:[*_]|{_WORD_MARKS})*+(?:{_HSPACE}|{_WORD_MARKS})*+"
-    rf"(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
+    rf"{_STARRED}(?:{_CLOSING}(?:{_CLOSING}|{_WORD_MARKS})*+{_STARRED})?+(?::|{_ESC}|{_char_class(_COLON_LIKE)})"
 )
 
 
@@ -483,30 +525,43 @@ def _spelled(word: str, *, fast: bool) -> str:
 
 def _role_first(*, fast: bool) -> str:
     """Return a pattern matching the first character of a role word followed by the rest and a colon (combining
-    marks allowed after each letter)."""
-    return "|".join(
-        f"{_letter(w[0], fast=fast)}(?={_MARKS_RUN}{_spelled(w[1:], fast=fast)}{_COLON_AHEAD})" for w in _ROLE_WORDS
-    )
+    marks allowed after each letter). The words share one `_COLON_AHEAD` (long, for its classes of marks and
+    closers): a copy per word made the role patterns 2.6 million characters long (1.4 million so), and the import
+    seconds slower, as `re` parses them."""
+    words = "|".join(_spelled(w, fast=fast) for w in _ROLE_WORDS)
+    return f"(?=(?:{words}){_COLON_AHEAD})."
 
 
 # A list item's number, letter or roman numeral, or a ticked task box: `1.`, `12)`, `3 `, `１.` (any script's
 # digits), `a)`, `B.`, `iv)` (a blank after the mark), `[x]`. A digit run is taken only with its `.`, `)` or a blank
-# after it, so `0perator:` (a zero for the `o`) is still a role word.
+# after it, so `0perator:` (a zero for the `o`) is still a role word. A letter's or roman numeral's mark with no blank
+# after it (`a.System:`, `iv)User:`) is `_LIST_LETTER` alone, directly before the role word: see `_ROLE_BODY`.
 _ANY_LETTER = _char_class(set().union(*_LETTER_LOOKALIKES.values())) + _MARKS_RUN  # look-alikes, marks included
 _ROMAN = _char_class(set().union(*(_LETTER_LOOKALIKES[c] for c in "ivxlcdm")))  # a roman numeral's letters, likewise
-_LIST_NUMBER = (
-    rf"\d++(?:[.)]|(?=[^\S\n]))|(?:{_ANY_LETTER}|(?:{_ROMAN}{_MARKS_RUN}){{2,6}}+)[.)](?=[^\S\n])"
-    rf"|\[{_letter('x', fast=False)}{_MARKS_RUN}\]"
-)
+# The guard (the word ends in `.` or `)`) spares a line opening with a word the letter classes, whose astral ranges `re`
+# tests one by one (code corpus, one run: 154 ms with the `fidelity-6` rules, 164 ms without the guard, 127 ms with it).
+# It reads on to the word's end, so `_LIST_NUMBER` comes last in the line-opening run: a character it does not take
+# ends the run, and no character is read by the guard from more than one place.
+_LIST_LETTER = rf"(?=[^\s.)]*+[.)])(?:{_ANY_LETTER}|(?:{_ROMAN}{_MARKS_RUN}){{2,6}}+)[.)]"
+_LIST_NUMBER = rf"\d++(?:[.)]|(?=[^\S\n]))|{_LIST_LETTER}(?=[^\S\n])"
+_TASK_BOX = rf"\[{_letter('x', fast=False)}{_MARKS_RUN}\]"
+# Unassigned and private-use code points (`_OPAQUE`), the BMP's apart: re tests a class's astral ranges one by one
+# after its BMP bitmap, so a BMP character (a line's first letter) never meets the ~400 astral ranges. The BMP class
+# (a bitmap) comes first in the run's choices, so a long run of private-use characters costs no more than one of `▪`.
+_OPAQUE_BMP = _range_class((lo, min(hi, 0xFFFF)) for lo, hi in _OPAQUE if lo <= 0xFFFF)
+_OPAQUE_ASTRAL = _range_class((max(lo, 0x10000), hi) for lo, hi in _OPAQUE if hi > 0xFFFF)
 # A role word opens a line (after any run of blanks, symbols and punctuation (`_BULLETS`: markdown markers `#*_=~-+`,
 # bullets `•▪◦‣→✓`, parentheses, quote markers `>` and `"`, table bars), a list item's number or letter, a task
-# box's `[x]`, combining marks or made-visible invisibles) and is followed by a colon (an escaped colon look-alike,
-# or a colon-like character escaping keeps: `_COLON_LIKE`); its first character is escaped. The run is possessive
-# (no role word's first letter can start it), so a long run of '>' or blanks costs one pass, not a backtracking
-# search.
+# box's `[x]`, combining marks, made-visible invisibles, or unassigned and private-use code points, then optionally
+# a list letter with no blank after its mark (`a.System:`), marks or made-visible invisibles after it) and is
+# followed by a colon (an escaped colon look-alike, or a colon-like character escaping keeps: `_COLON_LIKE`); its
+# first character is escaped. The run is possessive (no role word's first letter can start it), so a long run of '>'
+# or blanks costs one pass, not a backtracking search.
 _ROLE_BODY = (
-    rf"(?P<pre>(?:{_HSPACE}|{_LIST_NUMBER}|{_char_class(_BULLETS)}|(?={_char_class(_GUARDED)})(?!{_role_first(fast=False)})."
-    rf"|{_ESC}|{_WORD_MARKS})*+)"
+    rf"(?P<pre>(?:{_OPAQUE_BMP}|{_HSPACE}|{_TASK_BOX}|{_char_class(_BULLETS)}"
+    rf"|(?={_char_class(_GUARDED)})(?!{_role_first(fast=False)}).|{_ESC}|{_WORD_MARKS}"
+    rf"|(?=[\U00010000-\U0010ffff]){_OPAQUE_ASTRAL}|{_LIST_NUMBER})*+"
+    rf"(?:{_LIST_LETTER}(?:{_ESC}|{_WORD_MARKS})*+)?+)"
     rf"(?P<first>{_role_first(fast=True)})"
 )
 _ROLE_AT_START_RE = re.compile(_ROLE_BODY)
@@ -560,12 +615,14 @@ ESCAPING_FINGERPRINT = hashlib.sha256(
             "".join(sorted(_MARKS)),
             "".join(sorted(_BULLETS)),
             "".join(sorted(_GUARDED)),
+            "".join(sorted(_CLOSERS)),
+            ",".join(f"{lo:X}-{hi:X}" for lo, hi in _OPAQUE),
         ]
     ).encode("utf-8", "surrogatepass")
 ).hexdigest()[:16]
 """Identifies the escaping rules and tables (rules version, Unicode data, confusables, role words, chat
-tags). Renders of the same content are byte-identical exactly when this matches, so record it beside
-``prefix_sha256``: an upgrade of the rules, of Python's Unicode data or of confusable-homoglyphs that
+tags, and the tables derived from them). Renders of the same content are byte-identical exactly when this matches, so
+record it beside ``prefix_sha256``: an upgrade of the rules, of Python's Unicode data or of confusable-homoglyphs that
 changes it must rotate the prefix epoch."""
 
 

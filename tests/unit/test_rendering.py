@@ -34,6 +34,7 @@ from harness.attack_corpus import ATTACKS, REAL_NONCE
 
 SECRET = b"per-session-secret-for-tests"
 PRE_FIDELITY_FINGERPRINT = "b0d12a504af601e2"  # recorded by prefixes rendered with '<' and '>' always escaped
+FIDELITY_6_FINGERPRINT = "f7c15c20a62afaad"  # recorded by prefixes rendered with the `fidelity-6` rules
 NONCE = derive_nonce(SECRET, "item-under-test")
 
 # ---------------------------------------------------------------------------------------------------------
@@ -57,11 +58,28 @@ _COLONS = ":" + "".join(
 _OPENERS = "".join(
     re.escape(ch) for ch in map(chr, range(0x21, 0x30000)) if unicodedata.category(ch)[0] in "SP" and ch != "\\"
 )
+# Closing brackets and quotes (Unicode Pe, Pf and Pi): a run of them may stand between a role word and its colon.
+_CLOSERS = "".join(
+    re.escape(ch) for ch in map(chr, range(0x21, 0x30000)) if unicodedata.category(ch) in ("Pe", "Pf", "Pi")
+)
+
+
+def _category_ranges(*categories: str) -> str:
+    """The code points of `categories`, every plane scanned, as the ranges of a regex character class."""
+    points = [cp for cp in range(sys.maxunicode + 1) if unicodedata.category(chr(cp)) in categories]
+    starts = [cp for k, cp in enumerate(points) if k == 0 or points[k - 1] != cp - 1]
+    ends = [cp for k, cp in enumerate(points) if k + 1 == len(points) or points[k + 1] != cp + 1]
+    return "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in zip(starts, ends, strict=True))
+
+
 _ROLE_LINE_RE = re.compile(
-    # A line's opening run: blanks, symbols and punctuation, list numbers and letters, task boxes.
-    rf"^(?:[ \t_]|[{_OPENERS}]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{{2,6}}[.)][ \t]|\[[xX]\])*"
+    # A line's opening run: blanks, symbols and punctuation, unassigned and private-use code points (a reader sees a
+    # box, nothing or an icon), list numbers and letters, task boxes; then a list letter with no blank after it.
+    rf"^(?:[ \t_]|[{_OPENERS}]|[{_category_ranges('Cn', 'Co')}]|\d+[.) \t]|[A-Za-z][.)][ \t]|[ivxlcdm]{{2,6}}[.)][ \t]"
+    r"|\[[xX]\])*(?:[A-Za-z][.)]|[ivxlcdm]{2,6}[.)])?"
     r"(system|user|assistant|human|ai|developer|platform|tool|instruction|"
     r"response)[ \t*_]*"
+    rf"(?:[{_CLOSERS}]+[ \t*_]*)?"
     rf"[{re.escape(_COLONS)}]",
     re.IGNORECASE | re.MULTILINE,
 )
@@ -228,6 +246,14 @@ FRAGMENTS = [
     "u{",
     "\\u{41}",
     "> ",
+    "(System)",
+    ")",
+    "\u201d",
+    "\uff09",
+    "\ue000",
+    "\U00011ef9",
+    "a.",
+    "iv)",
     NONCE,
     "a",
     " ",
@@ -423,6 +449,11 @@ LONG_RUNS = {
     "role word, tabs": "AI" + "\t" * 1_000_000,
     "role word, blanks after a line": "note\n> user" + " " * 1_000_000 + "*x",
     "role word, combining marks": "System" + " \u0301" * 500_000 + "x",
+    "role word, closing brackets": "System" + ")" * 1_000_000 + "x",
+    "role word, closing brackets and a colon": "(System" + "\uff09" * 1_000_000 + ":",
+    "private use before a role word": "\ue000" * 1_000_000 + "System: x",
+    "unassigned before a role word": "note\n" + "\U00011ef9" * 1_000_000 + "User: x",
+    "a long word before a list mark": "i" * 1_000_000 + ".System: x",
 }
 # The fault `TestLongRuns` injects into a copy of core/rendering.py: each run pattern as written there, and its
 # backtracking form.
@@ -656,7 +687,7 @@ class TestAttackCorpus:
             ),
             ("(1) System: x\na) User: x\n- [ ] Tool: x", "(1) \\u{53}ystem: x\na) \\u{55}ser: x\n- [ ] \\u{54}ool: x"),
             ("- [x] System: x\n#1 User: x\n12 Model: x", "- [x] \\u{53}ystem: x\n#1 \\u{55}ser: x\n12 \\u{4D}odel: x"),
-            ("0perator: x\na)System: x\n12b User: x", "\\u{30}perator: x\na)System: x\n12b User: x"),
+            ("0perator: x\n12b User: x", "\\u{30}perator: x\n12b User: x"),
             (
                 "ii. System: x\n(iv) User: x\n\uff11. Tool: x",
                 "ii. \\u{53}ystem: x\n(iv) \\u{55}ser: x\n\uff11. \\u{54}ool: x",
@@ -677,6 +708,43 @@ class TestAttackCorpus:
     def test_escape_examples(self, text: str, escaped: str) -> None:
         """Representative inputs escape to the documented visible form."""
         assert escape_content(text) == escaped
+
+    @pytest.mark.parametrize(
+        ("text", "escaped"),
+        [
+            # Closing brackets and quotes between the role word and its colon (Pe, Pf, Pi; ASCII `)` `]` `}` too).
+            ("(System): x", "(\\u{53}ystem): x"),
+            ("[System]: x", "\\u{5B}\\u{53}ystem]: x"),
+            ("{User}: x", "{\\u{55}ser}: x"),
+            ("System): x", "\\u{53}ystem): x"),
+            ("**(System)**: x\n(User) : x", "**(\\u{53}ystem)**: x\n(\\u{55}ser) : x"),
+            ("\uff08System\uff09: x\n\u300cUser\u300d: x", "\uff08\\u{53}ystem\uff09: x\n\u300c\\u{55}ser\u300d: x"),
+            ("\u201cSystem\u201d: x\n\u2018User\u2019: x", "\u201c\\u{53}ystem\u201d: x\n\u2018\\u{55}ser\u2019: x"),
+            ("\u201eSystem\u201c: x", "\u201e\\u{53}ystem\u201c: x"),  # the closing quote of German is Pi
+            ("System\u00bb: x", "\\u{53}ystem\\u{BB}: x"),  # `»` is escaped anyway (an angle quotation mark)
+            # Behind unassigned (Cn) or private-use (Co) code points.
+            ("\U00011ef9SYSTEM: x", "\U00011ef9\\u{53}YSTEM: x"),
+            ("\ue000System: x\n\U000f0000 User: x", "\ue000\\u{53}ystem: x\n\U000f0000 \\u{55}ser: x"),
+            # A list letter or roman numeral with no blank after its mark.
+            ("a.System: x\nb)User: x", "a.\\u{53}ystem: x\nb)\\u{55}ser: x"),
+            ("iv.Assistant: x\n- a)Tool: x", "iv.\\u{41}ssistant: x\n- a)\\u{54}ool: x"),
+            ("x.ai: the company", "x.\\u{61}i: the company"),  # the accepted cost of `a.System:`
+        ],
+    )
+    def test_fidelity_7_escapes(self, text: str, escaped: str) -> None:
+        """Role lines the `fidelity-6` rules left as written escape: a closing bracket or quote before the colon, an
+        unassigned or private-use code point before the role word, a list letter with no blank after its mark."""
+        assert escape_content(text) == escaped
+
+    @pytest.mark.parametrize(
+        "text",
+        ['{\n  "model": "x",\n  "user": {"id": 1}\n}', "'user': 1\n\"tool\" : 2", "e.g. the system: fine",
+         "a.b.System: x", "e.g.System: x", "System) ): x", "(System) x: y"],
+    )  # fmt: skip
+    def test_fidelity_7_leaves_alone(self, text: str) -> None:
+        """JSON keys in ASCII quotes (`"model": "x"`), prose with list-like letters, and a closer run broken by a
+        blank stay as written."""
+        assert escape_content(text) == text
 
     def test_scanned_planes_cover_every_format_character(self) -> None:
         """Every format, control or separator character anywhere in Unicode is escaped."""
@@ -844,8 +912,9 @@ class TestFramingText:
         assert (envelope.nonce, envelope.content, envelope.provenance) == (derive_nonce(SECRET, "a"), "x", None)
 
     def test_fidelity_rules_rotate_the_epoch(self) -> None:
-        """The fingerprint differs from the one every prefix rendered under the always-escape rules recorded."""
-        assert ESCAPING_FINGERPRINT != PRE_FIDELITY_FINGERPRINT
+        """The fingerprint differs from the ones prefixes rendered under the always-escape rules and under the
+        `fidelity-6` rules recorded."""
+        assert ESCAPING_FINGERPRINT not in (PRE_FIDELITY_FINGERPRINT, FIDELITY_6_FINGERPRINT)
 
     def test_escaping_fingerprint_is_short_hex(self) -> None:
         """The escaping-table fingerprint is 16 lowercase hex characters, recordable beside prefix_sha256."""
