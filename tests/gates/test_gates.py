@@ -4,6 +4,7 @@ stability) and a fresh PostgreSQL database each."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Any
@@ -26,7 +27,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 async def test_gate_passes(name: str, temporal_client: Client, pg_dsn: str) -> None:
     """Each gate passes on the live stack and reports its figures."""
     result = await run_gate(name, client=temporal_client, dsn=pg_dsn)
-    assert result["passed"], result
+    # In full on failure: pytest would shorten the dict, and its failing figure is often past the cut.
+    assert result["passed"], json.dumps(result, default=str, sort_keys=True)
     # A gate remembers in its own scope: a developer's sessions on the same database never see its memories.
     assert await memories_in_default_scope(pg_dsn) == 0
     if name == "stability":
