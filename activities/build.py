@@ -7,7 +7,8 @@ pure builder, store the request and its record, and report a second prefix hash 
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, NamedTuple
 
 import structlog
 from temporalio import activity
@@ -16,9 +17,10 @@ from temporalio.exceptions import ApplicationError
 from activities.assembly import RequestInputs, StoredMemory, body_inputs
 from activities.lifecycle import seal_orphans
 from activities.minimum_body import beside_stand_in, check_fits_escalated, turn_too_large
-from activities.rows import TurnReads
+from activities.rows import ItemRender, TurnReads
 from activities.session_state import (
     RECALL_LIMIT,
+    BodyForm,
     BuiltRequest,
     SessionCache,
     SessionState,
@@ -38,11 +40,26 @@ from core.errors import ContextError, TurnTooLargeError
 from core.estimator import TokenEstimator
 from core.explain import first_difference
 from core.items import Region, TrustLevel, UserMessage, parse_history_item
-from core.plan import ContextPlan, PlanStatus
+from core.plan import ContextPlan, PlanStatus, Segment
 from core.rendering import ESCAPING_FINGERPRINT
 from core.working_state import holds_tainted, render
 
 log = structlog.get_logger("ctxengine.activities")
+
+
+class _Prepared(NamedTuple):
+    """What a build made of its read, ready for its write (`BuildActivities._prepare`)."""
+
+    user_item_id: str | None
+    message: list[dict[str, Any]]  # the turn's message, when this call logs it
+    renders: list[ItemRender]  # the message's, stored with it
+    estimator: TokenEstimator
+    prefix: FrozenPrefix
+    plan: ContextPlan
+    inputs: RequestInputs
+    body: BodyInputs
+    body_segments: list[Segment]
+    form: BodyForm  # how the request's body is stored
 
 
 class BuildActivities(BuildCalls):
@@ -56,23 +73,32 @@ class BuildActivities(BuildCalls):
         bound = log.bind(session_id=inp.session_id, turn=inp.turn, epoch=inp.epoch)
         # One read: the session, the log since this worker's memo, the epoch, the calibration, the working state,
         # the checkpoint, the corrections and the recall for the turn's message (when the message is known here).
-        open_, secret, cache, reads = await state.turn_reads(inp.session_id, inp.epoch, self._recall_query(inp))
-        user_item_id = inp.user_item_id
-        # The turn's message, when this call is the first to log it: built in place (at the next position) and
-        # logged with the request in one write, so a message that cannot fit is refused with nothing appended.
-        message: list[dict[str, Any]] = []
-        if inp.user_text is not None:
-            await seal_orphans(state, inp.session_id, inp.turn - 1, "its turn failed first", cache=cache)
-            user_item_id = f"u:{inp.update_id or inp.turn}"
-            if user_item_id not in cache.by_id:
-                message = [
-                    {"id": user_item_id, "kind": "user_message", "trust": TrustLevel.USER.value, "text": inp.user_text}
-                ]
-            else:  # logged already: by this turn's earlier attempt, or by an earlier turn (a reused update id)
-                await self._refuse_reused_id(inp, user_item_id, stored=False)
-        prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
-        profile = calibrated(profile, reads.calibration, reads.provider_calibration)
-        estimator = TokenEstimator(profile, state.counter(profile.encoding))
+        # When the memo can guess what it will bring, the build runs on the guess while the read is on its way, and
+        # is kept when the read confirms the guess (else it runs again on what was read).
+        before = state.cached(inp.session_id)
+        query = self._recall_query(inp)
+        guess = state.guess_reads(before, inp.epoch, query)
+        if before is None or guess is None or (inp.user_text is not None and self._message_id(inp) in before.by_id):
+            open_, secret, cache, reads = await state.turn_reads(inp.session_id, inp.epoch, query)
+            ready = await self._prepare(inp, open_, secret, cache, reads)
+        else:
+            reading = asyncio.ensure_future(state.read_turn(inp.session_id, inp.epoch, query, before))
+            try:
+                await asyncio.sleep(0)  # the read's statement sent before the build takes the loop
+                assert before.open is not None  # guessed only for a memo of the session
+                try:
+                    ahead: _Prepared | None = await self._prepare(inp, before.open, before.secret, before, guess)
+                except Exception:  # the guess may be wrong: the build on what is read says what is
+                    ahead = None
+                reads = await reading
+            finally:
+                reading.cancel()  # when this call is cancelled first (a no-op once the read is done)
+            open_, secret, cache = await state.adopt(inp.session_id, inp.epoch, before, reads)
+            if ahead is not None and cache is before and state.guessed_right(guess, reads):
+                ready = ahead
+            else:
+                ready = await self._prepare(inp, open_, secret, cache, reads)
+        user_item_id, message, renders, estimator, prefix, plan, ri, body_in, body_segments, form = ready
         if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
             # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):
             # body bytes may differ from earlier requests. Say so; the operator rotates the epoch.
@@ -81,15 +107,8 @@ class BuildActivities(BuildCalls):
                 epoch_fingerprint=prefix.escaping_fingerprint,
                 worker_fingerprint=ESCAPING_FINGERPRINT,
             )
-        plan, ri, body_in = await self._plan(
-            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
-        )
-        inputs = ri.model_dump(mode="json")
-        body_segments = plan.segments[len(prefix.segments) :]
-        form = cache.body_form(plan.prefix_sha256, body_segments, cache.render_for(estimator))
         # One write: the request's body (whole or a delta of this worker's last one, logged items by reference),
         # its record and the turn's message (looked for as logged since this call's read: the memo holds the rest).
-        renders = state.render_for_log(message, cache)
         hashes, seqs, record = await store.store_request(
             inp.session_id,
             inp.turn,
@@ -100,7 +119,7 @@ class BuildActivities(BuildCalls):
             estimated_tokens=plan.estimated_tokens,
             raw_tokens=plan.raw_tokens,
             plan=plan.summary().model_dump(mode="json"),
-            inputs=inputs,
+            inputs=ri.model_dump(mode="json"),
             body=form.stored.entries,
             counter=counter_key(estimator),
             base=form.base,
@@ -151,6 +170,43 @@ class BuildActivities(BuildCalls):
             )
         bound.info("context.built", tokens=plan.estimated_tokens, status=plan.status.value, yields=len(plan.yields))
         return BuildResult(plan=plan.summary(), user_item_id=user_item_id, turn_start_seq=body_in.turn_start_seq)
+
+    async def _prepare(
+        self, inp: BuildInput, open_: SessionOpen, secret: bytes, cache: SessionCache, reads: TurnReads
+    ) -> _Prepared:
+        """From the build's read (`reads`, with `cache`, the memo, brought up to date from it): the turn's message
+        (when this call is the first to log it) and its render, the estimator, the prefix, the plan and how its body
+        is stored. Reads or writes nothing when the message is not logged yet, no tool call waits for its result
+        and the read searched recall."""
+        state = self.state
+        user_item_id = inp.user_item_id
+        # The turn's message, when this call is the first to log it: built in place (at the next position) and
+        # logged with the request in one write, so a message that cannot fit is refused with nothing appended.
+        message: list[dict[str, Any]] = []
+        if inp.user_text is not None:
+            await seal_orphans(state, inp.session_id, inp.turn - 1, "its turn failed first", cache=cache)
+            user_item_id = self._message_id(inp)
+            if user_item_id not in cache.by_id:
+                message = [
+                    {"id": user_item_id, "kind": "user_message", "trust": TrustLevel.USER.value, "text": inp.user_text}
+                ]
+            else:  # logged already: by this turn's earlier attempt, or by an earlier turn (a reused update id)
+                await self._refuse_reused_id(inp, user_item_id, stored=False)
+        prefix, profile = await state.prefix(inp.session_id, inp.epoch, cache)
+        profile = calibrated(profile, reads.calibration, reads.provider_calibration)
+        estimator = TokenEstimator(profile, state.counter(profile.encoding))
+        plan, ri, body_in = await self._plan(
+            inp, open_, secret, cache, prefix, estimator, user_item_id, reads=reads, message=message
+        )
+        body_segments = plan.segments[len(prefix.segments) :]
+        form = cache.body_form(plan.prefix_sha256, body_segments, cache.render_for(estimator))
+        renders = state.render_for_log(message, cache)
+        return _Prepared(user_item_id, message, renders, estimator, prefix, plan, ri, body_in, body_segments, form)
+
+    @staticmethod
+    def _message_id(inp: BuildInput) -> str:
+        """The log id of the turn's message."""
+        return f"u:{inp.update_id or inp.turn}"
 
     async def _refuse_reused_id(self, inp: BuildInput, user_item_id: str, *, stored: bool) -> None:
         """Fail the turn for good when its message's id was logged by an earlier turn: the update id is a retry of a

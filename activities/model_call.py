@@ -203,7 +203,7 @@ class ModelCallActivities(ModelCalls):
         # One write: usage, reconciliation and its event, and the reply's items as one group (logged after the
         # request was built: its inputs name that position), all or none of them.
         renders = state.render_for_log(new_items, cache)
-        recorded, added, seqs = await store_waiting(
+        outcome = await store_waiting(
             lambda: store.record_outcome(
                 inp.session_id,
                 inp.turn,
@@ -225,14 +225,15 @@ class ModelCallActivities(ModelCalls):
             )
         )
         cache.answered(inp.request_sha256)
-        if added:
+        cache.calibrated(outcome.calibration, outcome.provider_calibration)
+        if outcome.event_added:
             state.logged_event(inp.session_id, EventType.ESTIMATOR_RECONCILED, inp.turn, inp.epoch, payload)
-        state.joined(new_items, seqs, renders, cache)
+        state.joined(new_items, outcome.seqs, renders, cache)
         logged = [i for i in cache.this_turn() if i.id.startswith(base)]
         if not logged:  # logged out of the memo's order (another attempt's reply): read the log
             log = await store_waiting(lambda: state.items(inp.session_id, cache))
             logged = [log[k] for k, item_id in enumerate(cache.items.ids) if item_id.startswith(base)]
-        if not recorded:  # an earlier attempt recorded its usage first: its figures are the truth
+        if not outcome.usage_recorded:  # an earlier attempt recorded its usage first: its figures are the truth
             first = await store_waiting(lambda: store.get_record(inp.session_id, inp.turn, inp.call_index))
             assert first is not None and first.actual_input_tokens is not None
             return _model_result(

@@ -302,6 +302,19 @@ class CallReads:
     request: StoredRequest | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a model call's write did (`Store.record_outcome`): whether its usage and its event were recorded now
+    (an earlier attempt's stay), the reply's positions (none: its group was logged already), and the route's
+    calibration after it with its provider's highest, as the next build will read them."""
+
+    usage_recorded: bool
+    event_added: bool
+    seqs: list[int]
+    calibration: float
+    provider_calibration: float
+
+
 def count_columns(counts: Sequence[dict[str, int] | None]) -> dict[str, list[int | None]]:
     """Items' counts (each its raw token count per counter key; None: not counted) as one column per counter key,
     a key present when an item was counted by it: the form a block stores them in (migration 9)."""

@@ -12,6 +12,7 @@ import bisect
 import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from itertools import compress, repeat
 from typing import Any, NamedTuple, cast
 
@@ -159,6 +160,9 @@ class SessionCache:
         self.floor = -1
         # The last request's segments in the provider port's form, so the next one converts only what is new.
         self.last_provider: tuple[list[Segment], list[ProviderSegment]] = ([], [])
+        # What the last build's read brought besides the log (its items and prefix left out): what the next build
+        # guesses its read will bring (`SessionState.guess_reads`).
+        self.last_reads: TurnReads | None = None
 
     def _lasting(self, seg: Segment) -> bool:
         """Whether `seg` lives as long as the session (Region A, or a logged item's): only those are memoised,
@@ -322,6 +326,14 @@ class SessionCache:
         built = self.built.get(sha)
         if built is not None and built.record is not None:
             self.built[sha] = built._replace(record=None)
+
+    def calibrated(self, calibration: float, provider_calibration: float) -> None:
+        """The route's calibrations as this worker's write left them (a model call's): what the next build's read
+        will bring, unless another session moves them first."""
+        if self.last_reads is not None:
+            self.last_reads = replace(
+                self.last_reads, calibration=calibration, provider_calibration=provider_calibration
+            )
 
     def body_form(self, prefix_sha: str, body: list[Segment], renders: RenderCache) -> BodyForm:
         """How `body` is stored (`stored_form`): whole, or as a delta of the previous request stored from this
@@ -576,6 +588,15 @@ class SessionState:
     ) -> tuple[SessionOpen, bytes, SessionCache, TurnReads]:
         """What a build reads, in one round trip, with the session's memo brought up to date from it."""
         before = self.cached(session_id)
+        reads = await self.read_turn(session_id, epoch, recall_query, before)
+        open_, secret, cache = await self.adopt(session_id, epoch, before, reads)
+        return open_, secret, cache, reads
+
+    async def read_turn(
+        self, session_id: str, epoch: int, recall_query: str | None, before: SessionCache | None
+    ) -> TurnReads:
+        """What a build reads, in one round trip, after what `before` (the session's memo, None: none) holds; the
+        memo is not touched (`adopt` brings it up to date)."""
         reads = await self.store.turn_reads(
             session_id,
             after_seq=before.max_seq if before is not None else -1,
@@ -586,6 +607,13 @@ class SessionState:
         )
         if reads is None:
             raise ApplicationError(f"unknown session {session_id!r}", type="UnknownSession", non_retryable=True)
+        return reads
+
+    async def adopt(
+        self, session_id: str, epoch: int, before: SessionCache | None, reads: TurnReads
+    ) -> tuple[SessionOpen, bytes, SessionCache]:
+        """The session's memo brought up to date from `reads` (read after what `before` held), which it keeps as
+        the last read (`guess_reads`)."""
         open_, secret, cache = self.remember(session_id, reads.session)
         if cache is not before and before is not None:  # another session under the id: read it whole
             await self.items(session_id, cache)
@@ -602,7 +630,45 @@ class SessionState:
                 raise ApplicationError(
                     f"session {session_id!r} has no prefix for epoch {epoch}", type="UnknownEpoch", non_retryable=True
                 )
-        return open_, secret, cache, reads
+        cache.last_reads = replace(reads, items=LiveLog(), prefix=None)
+        return open_, secret, cache
+
+    @staticmethod
+    def guess_reads(cache: SessionCache | None, epoch: int, recall_query: str | None) -> TurnReads | None:
+        """What a build's read will bring, guessed from the memo: nothing logged since it, and the rest as the
+        last read found it (the calibrations, the working-state writes, the checkpoint, the corrections, no
+        recall). None when the memo cannot guess, or a build from the guess would read or write (an epoch or a
+        session not memoised, recall not searched by the read, a recall found last time, tool calls to seal).
+
+        A guess is only ever used after the read confirms it (`guessed_right`): the build runs on it while the
+        read is on its way, so the read's round trip is spent building."""
+        last = cache.last_reads if cache is not None else None
+        if (
+            cache is None
+            or last is None
+            or cache.open is None
+            or epoch not in cache.prefixes
+            or recall_query is None
+            or last.recall != []
+            or cache.open_calls
+            or cache.covered_calls
+        ):
+            return None
+        return replace(last, recall=[])
+
+    @staticmethod
+    def guessed_right(guess: TurnReads, reads: TurnReads) -> bool:
+        """Whether `reads` brought exactly what `guess` said: a build from the guess is the build from them."""
+        return (
+            not reads.items.seqs
+            and reads.prefix is None
+            and reads.calibration == guess.calibration
+            and reads.provider_calibration == guess.provider_calibration
+            and reads.recall == guess.recall
+            and reads.corrections == guess.corrections
+            and reads.checkpoint == guess.checkpoint
+            and reads.working_state_writes == guess.working_state_writes
+        )
 
     async def call_reads(
         self, session_id: str, turn: int, call_index: int, epoch: int, request_sha256: str, *, first_attempt: bool

@@ -27,6 +27,7 @@ from activities.rows import (
     LoggedItem,
     MemoryCandidate,
     MemoryRow,
+    Outcome,
     RequestRecord,
     Resolved,
     SessionClaim,
@@ -568,7 +569,8 @@ _NEXT_CALIBRATION = next_calibration_sql("calibrations.calibration", "$8::float8
 # calibration grid) is applied to the stored calibration in the statement, so concurrent sessions on a route never
 # lose an upward move. The route's row is updated only when the rule moves it: a response whose ratio the stored
 # calibration already covers neither writes nor locks the row every session on the route shares (a row lock would
-# queue their commits one behind another). A route not stored yet is created with $9.
+# queue their commits one behind another). A route not stored yet is created with $9. It returns the route's
+# calibration after it, and its provider's highest (as a build reads them: SQL_TURN_READS).
 SQL_RECORD_OUTCOME = (
     """
 WITH usage AS (
@@ -581,19 +583,27 @@ WITH usage AS (
     WHERE route = $7 AND """
     + _NEXT_CALIBRATION
     + """ <> calibrations.calibration
+    RETURNING calibration
 ), learned AS (
     INSERT INTO calibrations (route, calibration) SELECT $7::text, $9::float8
     WHERE NOT EXISTS (SELECT 1 FROM calibrations WHERE route = $7)
     ON CONFLICT (route) DO UPDATE SET calibration = """
     + _NEXT_CALIBRATION
     + """, updated_at = now()
+    RETURNING calibration
+), calibrated AS (
+    SELECT coalesce((SELECT calibration FROM moved), (SELECT calibration FROM learned),
+                    (SELECT calibration FROM calibrations WHERE route = $7)) AS calibration
 ), event AS (
     INSERT INTO events (session_id, event_key, type, turn, epoch, payload) VALUES ($1, $10, $11, $2, $12, $13)
     ON CONFLICT (session_id, event_key) DO NOTHING RETURNING 1
 ), """
     + _append_ctes("$14::jsonb", "$2", "$15::text", "$16")
     + """
-SELECT EXISTS (SELECT 1 FROM usage) AS usage_recorded, EXISTS (SELECT 1 FROM event) AS event_added, """
+SELECT EXISTS (SELECT 1 FROM usage) AS usage_recorded, EXISTS (SELECT 1 FROM event) AS event_added,
+       (SELECT calibration FROM calibrated) AS calibration,
+       greatest((SELECT calibration FROM calibrated), (SELECT max(calibration) FROM calibrations
+                 WHERE route LIKE split_part($7, '/', 1) || '/%' AND route <> $7)) AS provider_calibration, """
     + APPENDED
 )
 # A request the provider refused as too long, learned in one round trip: the route's calibration lifted to $2 (never
@@ -1136,9 +1146,9 @@ class Store:
         group_prefix: str | None = None,
         group_after_seq: int = -1,
         renders: Sequence[ItemRender] | None = None,
-    ) -> tuple[bool, bool, list[int]]:
+    ) -> Outcome:
         """Usage, calibration, the reconciliation event and the reply's items (`append`, one group, as
-        `append_items` logs them) in one round trip: (usage recorded now, event added now, the items' seqs).
+        `append_items` logs them) in one round trip (`Outcome`).
         Usage already recorded by an earlier attempt stays (the first attempt's figures win). `target`: the observed
         ratio on the calibration grid (`core.estimator.calibration_target`), applied to the route's stored
         calibration by `next_calibration`'s rule; `first`: the route's calibration if it has none stored yet."""
@@ -1161,7 +1171,13 @@ class Store:
             group_prefix,
             group_after_seq,
         )
-        return bool(row["usage_recorded"]), bool(row["event_added"]), _appended(row, append)
+        return Outcome(
+            bool(row["usage_recorded"]),
+            bool(row["event_added"]),
+            _appended(row, append),
+            float(row["calibration"]),
+            float(row["provider_calibration"]),
+        )
 
     async def record_wire_prefix(
         self, session_id: str, turn: int, call_index: int, *, epoch: int, sha256: str, text: str

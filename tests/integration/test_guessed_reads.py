@@ -1,0 +1,231 @@
+"""A build on a worker whose memo is current runs on its guess of what the read will bring while the read is on its
+way (`SessionState.guess_reads`), and keeps it only when the read brought exactly that (`guessed_right`). On a real
+PostgreSQL, the activities in an ActivityEnvironment (no Temporal): another worker changes what the next build reads
+(the log, the working state, a memory recall finds, the route's calibration) between two builds of this worker,
+whose memo cannot know; the build must show the change. With the read's confirmation taken away (the fault: every
+guess taken as right), each check fails."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.providers import build_providers
+from activities.rows import RequestRecord, TurnReads
+from activities.session import SessionActivities
+from activities.session_state import SessionState
+from activities.store import Store
+from contract.payloads import BuildInput, MemoryInput, ModelInput, WorkingStateInput
+from core.working_state import WorkingStateUpdate
+from harness.bench import cold_build
+from harness.bench.cold_build import session_open
+
+pytestmark = pytest.mark.integration
+
+NOW = "2026-01-01T00:00:00+00:00"
+
+
+class Verdicts:
+    """The read's verdicts on the guesses (`SessionState.guessed_right`), recorded; `trusting`: every guess is
+    taken as right (the fault)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, trusting: bool) -> None:
+        self.seen: list[bool] = []
+        judge = SessionState.guessed_right
+
+        def guessed_right(guess: TurnReads, reads: TurnReads) -> bool:
+            verdict = judge(guess, reads)
+            self.seen.append(verdict)
+            return True if trusting else verdict
+
+        monkeypatch.setattr(SessionState, "guessed_right", staticmethod(guessed_right))
+
+
+async def _turn(acts: SessionActivities, session_id: str, turn: int, text: str) -> str:
+    """One turn on `acts`: its build and its model call. Returns the request's hash."""
+    built = await ActivityEnvironment().run(
+        acts.build.build_context,
+        BuildInput(
+            session_id=session_id, turn=turn, call_index=0, epoch=1, now_iso=NOW, user_text=text, update_id=f"u{turn}"
+        ),
+    )
+    sha = built.plan.request_sha256
+    await ActivityEnvironment().run(
+        acts.model_call.call_model,
+        ModelInput(session_id=session_id, turn=turn, call_index=0, epoch=1, request_sha256=sha),
+    )
+    return sha
+
+
+async def _record(store: Store, session_id: str, turn: int) -> RequestRecord:
+    record = await store.get_record(session_id, turn, 0)
+    assert record is not None
+    return record
+
+
+# Each change another worker makes between two builds of this one: (make it, check that the next build shows it).
+Change = Callable[[SessionActivities, str, int], Awaitable[Any]]
+Check = Callable[[SessionActivities, Store, str, int, Any], Awaitable[None]]
+
+
+async def _log_item(other: SessionActivities, session_id: str, turn: int) -> str:
+    """A reply logged by the other worker (as a late attempt's would be)."""
+    _, _, memo = await other.state.session(session_id)
+    await other.state.items(session_id, memo)
+    item = {"id": f"late{turn}", "kind": "assistant_message", "trust": "MODEL", "text": "A late reply."}
+    await other.state.append(session_id, turn - 1, [item], memo)
+    return item["id"]
+
+
+async def _shows_item(acts: SessionActivities, store: Store, session_id: str, turn: int, item_id: str) -> None:
+    record = await _record(store, session_id, turn)
+    memo = acts.state.cached(session_id)
+    assert memo is not None
+    built = memo.built[record.request_sha256]
+    assert item_id in [s.item_id for s in built.segments], "the build did not show the item logged since its memo"
+
+
+async def _write_working_state(other: SessionActivities, session_id: str, turn: int) -> str:
+    text = "Trains only, never flights."
+    await ActivityEnvironment().run(
+        other.memory.write_working_state,
+        WorkingStateInput(
+            session_id=session_id,
+            update_id=f"ws{turn}",
+            turn=turn,
+            epoch=1,
+            update=WorkingStateUpdate.model_validate({"operations": [{"op": "add_constraint", "text": text}]}),
+        ),
+    )
+    return text
+
+
+async def _shows_working_state(acts: SessionActivities, store: Store, session_id: str, turn: int, text: str) -> None:
+    record = await _record(store, session_id, turn)
+    assert text in record.inputs["working_state"], "the build did not show the working-state write"
+
+
+async def _write_memory(other: SessionActivities, session_id: str, turn: int) -> str:
+    await ActivityEnvironment().run(
+        other.memory.write_memory,
+        MemoryInput.model_validate(
+            {
+                "session_id": session_id,
+                "scope": session_open().memory_scope,
+                "write": {"text": "The user travels by night train to Vienna.", "memory_id": f"m{turn}"},
+                "update_id": f"mem{turn}",
+                "turn": turn,
+                "epoch": 1,
+            }
+        ),
+    )
+    return f"m{turn}"
+
+
+async def _recalls_memory(acts: SessionActivities, store: Store, session_id: str, turn: int, memory_id: str) -> None:
+    record = await _record(store, session_id, turn)
+    recalled = [m["memory_id"] for m in record.inputs["recall"]]
+    assert memory_id in recalled, "the build did not recall the memory written since its memo"
+
+
+async def _move_calibration(other: SessionActivities, session_id: str, turn: int) -> float:
+    _, _, memo = await other.state.session(session_id)
+    _, profile = await other.state.prefix(session_id, 1, memo)
+    await other.state.store.set_calibration(profile.route, 1.375)
+    return 1.375
+
+
+async def _calibrated(acts: SessionActivities, store: Store, session_id: str, turn: int, value: float) -> None:
+    record = await _record(store, session_id, turn)
+    assert record.inputs["profile"]["calibration"] == value, "the build did not take the route's new calibration"
+
+
+CHANGES: dict[str, tuple[Change, Check]] = {
+    "logged_item": (_log_item, _shows_item),
+    "working_state": (_write_working_state, _shows_working_state),
+    "memory": (_write_memory, _recalls_memory),
+    "calibration": (_move_calibration, _calibrated),
+}
+
+
+async def _seeded(store: Store) -> tuple[str, int, SessionActivities, SessionActivities]:
+    await store.migrate()
+    session_id, last = await cold_build.seed(store, 12)
+    providers = build_providers()
+    return session_id, last + 1, SessionActivities(store, providers), SessionActivities(store, providers)
+
+
+async def test_a_current_memo_builds_on_its_guess_and_the_request_is_a_cold_workers(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turns on one worker: from the second on (its memo current) the read confirms the guess each time and the
+    guessed build is kept; its request is the one a worker that has never seen the session builds of the same
+    turn from what is stored (the same hash)."""
+    verdicts = Verdicts(monkeypatch, trusting=False)
+    async with Store.from_dsn(pg_dsn) as store:
+        session_id, turn, acts, _ = await _seeded(store)
+        for k in range(4):
+            await _turn(acts, session_id, turn + k, f"What is the status of order {k}?")
+        assert verdicts.seen[-3:] == [True, True, True]
+        # The next turn, built here on the guess, then again (its message logged) by a fresh worker.
+        last = turn + 4
+        built = await ActivityEnvironment().run(
+            acts.build.build_context,
+            BuildInput(session_id=session_id, turn=last, call_index=0, epoch=1, now_iso=NOW, user_text="And now?"),
+        )
+        assert verdicts.seen[-1] is True
+        cold = SessionActivities(store, build_providers())
+        again = await ActivityEnvironment().run(
+            cold.build.build_context,
+            BuildInput(session_id=session_id, turn=last, call_index=0, epoch=1, now_iso=NOW, user_item_id=f"u:{last}"),
+        )
+        assert again.plan.request_sha256 == built.plan.request_sha256
+
+
+async def _changed_then_built(
+    store: Store, monkeypatch: pytest.MonkeyPatch, change: str, *, trusting: bool
+) -> tuple[list[bool], Callable[[], Awaitable[None]]]:
+    """Two turns on this worker, `change` made by the other, a third turn built here: the verdicts, and the
+    change's check of the third turn's build (raising when the build could not be made)."""
+    make, check = CHANGES[change]
+    verdicts = Verdicts(monkeypatch, trusting=trusting)
+    session_id, turn, acts, other = await _seeded(store)
+    await _turn(acts, session_id, turn, "What is the status of my order?")
+    await _turn(acts, session_id, turn + 1, "Which trains go there?")
+    made = await make(other, session_id, turn + 2)
+    await _turn(acts, session_id, turn + 2, "Which night trains go to Vienna?")
+
+    async def checked() -> None:
+        await check(acts, store, session_id, turn + 2, made)
+
+    return verdicts.seen, checked
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+async def test_a_change_the_memo_cannot_know_is_shown(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """The read finds what changed since the memo's last read: the guess is refused, and the build made of what
+    was read shows the change."""
+    async with Store.from_dsn(pg_dsn) as store:
+        seen, checked = await _changed_then_built(store, monkeypatch, change, trusting=False)
+        assert seen[-1] is False  # the third build's guess, refused by its read
+        await checked()
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+async def test_taking_every_guess_misses_the_change(pg_dsn: str, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    """The fault: every guess taken as right. The build made of the memo misses the change, and the check above
+    says so (a logged item fails the build's write instead: the log moved under it)."""
+    async with Store.from_dsn(pg_dsn) as store:
+        try:
+            _, checked = await _changed_then_built(store, monkeypatch, change, trusting=True)
+        except ApplicationError as exc:
+            assert change == "logged_item" and exc.type == "LogMoved"
+            return
+        with pytest.raises(AssertionError, match="the build did not"):
+            await checked()
