@@ -98,6 +98,7 @@ class BuildActivities(BuildCalls):
                 ready = ahead
             else:
                 ready = await self._prepare(inp, open_, secret, cache, reads)
+        state.ran(cache)
         user_item_id, message, renders, estimator, prefix, plan, ri, body_in, body_segments, form = ready
         if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
             # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):

@@ -61,6 +61,7 @@ class ModelCallActivities(ModelCalls):
                 first_attempt=activity.info().attempt == 1,
             )
         )
+        state.ran(cache)
         record = reads.record
         if record is None or record.request_sha256 != inp.request_sha256:
             raise ApplicationError(

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, cast
 
 import structlog
 from pydantic import TypeAdapter
+from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.memo_log import MemoLog
@@ -161,8 +162,11 @@ class SessionCache:
         # The last request's segments in the provider port's form, so the next one converts only what is new.
         self.last_provider: tuple[list[Segment], list[ProviderSegment]] = ([], [])
         # What the last build's read brought besides the log (its items and prefix left out): what the next build
-        # guesses its read will bring (`SessionState.guess_reads`).
+        # guesses its read will bring (`SessionState.guess_reads`). And the last build or model call this worker
+        # ran of the session (its workflow run's id, its activity id): a guess is made only by the activity the run
+        # scheduled next after it.
         self.last_reads: TurnReads | None = None
+        self.last_activity: tuple[str, str] | None = None
 
     def _lasting(self, seg: Segment) -> bool:
         """Whether `seg` lives as long as the session (Region A, or a logged item's): only those are memoised,
@@ -634,11 +638,19 @@ class SessionState:
         return open_, secret, cache
 
     @staticmethod
+    def ran(cache: SessionCache) -> None:
+        """Note the running activity (a build or a model call, with its memo of the session in hand) as the last
+        this worker ran of the session."""
+        cache.last_activity = _running()
+
+    @staticmethod
     def guess_reads(cache: SessionCache | None, epoch: int, recall_query: str | None) -> TurnReads | None:
         """What a build's read will bring, guessed from the memo: nothing logged since it, and the rest as the
         last read found it (the calibrations, the working-state writes, the checkpoint, the corrections, no
-        recall). None when the memo cannot guess, or a build from the guess would read or write (an epoch or a
-        session not memoised, recall not searched by the read, a recall found last time, tool calls to seal).
+        recall). None when the memo cannot guess: another activity of the session's run ran since this worker's
+        last (`_next_after`: on another worker, say, whose writes the memo has not seen), or a build from the
+        guess would read or write (an epoch or a session not memoised, recall not searched by the read, a recall
+        found last time, tool calls to seal).
 
         A guess is only ever used after the read confirms it (`guessed_right`): the build runs on it while the
         read is on its way, so the read's round trip is spent building."""
@@ -646,6 +658,7 @@ class SessionState:
         if (
             cache is None
             or last is None
+            or not _next_after(cache.last_activity, _running())
             or cache.open is None
             or epoch not in cache.prefixes
             or recall_query is None
@@ -809,6 +822,24 @@ class SessionState:
         """An event just stored (the first time): logged and counted in the metrics."""
         log.info(type_.value, session_id=session_id, turn=turn, epoch=epoch, **payload)
         record_event(type_, payload)
+
+
+def _running() -> tuple[str, str]:
+    """The running activity: its workflow run's id and its activity id."""
+    info = activity.info()
+    return info.workflow_run_id or "", info.activity_id
+
+
+def _next_after(last: tuple[str, str] | None, now: tuple[str, str]) -> bool:
+    """Whether activity `now` is the one its workflow run scheduled next after `last` (each: its run's id, its
+    activity id), so that no other activity of the run ran between them. A run's activity ids are its activities'
+    sequence numbers (the SDK's default, which the workflows keep); ids that are not numbers (a test environment's)
+    tell nothing, and are taken as next."""
+    if last is None or last[0] != now[0]:
+        return False
+    if not (last[1].isdigit() and now[1].isdigit()):
+        return True
+    return int(now[1]) == int(last[1]) + 1
 
 
 def calibrated(base: ModelProfile, learned: float | None, highest: float | None) -> ModelProfile:

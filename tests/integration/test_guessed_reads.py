@@ -7,10 +7,14 @@ guess taken as right), each check fails."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
@@ -23,6 +27,8 @@ from contract.payloads import BuildInput, MemoryInput, ModelInput, WorkingStateI
 from core.working_state import WorkingStateUpdate
 from harness.bench import cold_build
 from harness.bench.cold_build import session_open
+from harness.bench.turns_bench import _plain_text
+from tests.integration import session_helpers
 
 pytestmark = pytest.mark.integration
 
@@ -229,3 +235,61 @@ async def test_taking_every_guess_misses_the_change(pg_dsn: str, monkeypatch: py
             return
         with pytest.raises(AssertionError, match="the build did not"):
             await checked()
+
+
+async def test_a_worker_guesses_only_as_the_activity_its_run_scheduled_next_after_its_last(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Activity ids as a workflow run gives them (its activities' sequence numbers): a build guesses when it is the
+    activity the run scheduled next after this worker's last (its own model call), not after another worker ran
+    one in between (whose writes its memo has not seen), nor in another run of the session."""
+    verdicts = Verdicts(monkeypatch, trusting=False)
+    async with Store.from_dsn(pg_dsn) as store:
+        session_id, turn, here, there = await _seeded(store)
+        ids = itertools.count(1)
+
+        async def run(acts: SessionActivities, k: int, *, run_id: str = "run-1") -> None:
+            """Turn `turn + k`'s build on this worker, its model call on `acts`, with the run's next activity ids."""
+            envs = [ActivityEnvironment(), ActivityEnvironment()]
+            for env in envs:
+                env.info = dataclasses.replace(env.info, workflow_run_id=run_id, activity_id=str(next(ids)))
+            built = await envs[0].run(
+                here.build.build_context,
+                BuildInput(
+                    session_id=session_id, turn=turn + k, call_index=0, epoch=1, now_iso=NOW, user_text=f"Turn {k}?"
+                ),
+            )
+            await envs[1].run(
+                acts.model_call.call_model,
+                ModelInput(
+                    session_id=session_id,
+                    turn=turn + k,
+                    call_index=0,
+                    epoch=1,
+                    request_sha256=built.plan.request_sha256,
+                ),
+            )
+
+        await run(here, 0)  # activities 1, 2: the memo's first read
+        await run(there, 1)  # 3 guesses (after 2, here); 4 runs on the other worker
+        assert verdicts.seen == [True]
+        await run(here, 2)  # 5 does not guess: 4 ran elsewhere (and logged the reply); 6 runs here
+        assert verdicts.seen == [True]
+        await run(here, 3)  # 7 guesses again
+        assert verdicts.seen == [True, True]
+        await run(here, 4, run_id="run-2")  # a new run of the session (continue-as-new): its first build reads first
+        assert verdicts.seen == [True, True]
+
+
+async def test_a_session_on_one_worker_builds_each_turn_after_its_first_on_the_guess(
+    temporal_client: Client, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's workflow on one worker (the real Temporal server and its activity ids): from its second turn
+    on, each build is the activity after its turn's model call before, guesses, and the read confirms the guess."""
+    verdicts = Verdicts(monkeypatch, trusting=False)
+    queue = f"guess-{uuid.uuid4().hex[:8]}"
+    async with session_helpers.stack(temporal_client, pg_dsn, queue):
+        handle = await session_helpers.start(temporal_client, queue)
+        for k in range(4):
+            await session_helpers.turn(handle, _plain_text(k))
+    assert verdicts.seen == [True, True, True]
