@@ -59,6 +59,14 @@ _TRANSIENT_SQLSTATE = {"08", "40", "53", "57", "58", "XX"}
 # Forgotten when the store answers or the activity fails for good, and at every activity's first attempt.
 _OUTAGES: OrderedDict[tuple[str, str, str], float] = OrderedDict()
 _OUTAGES_KEPT = 4_096
+# The activities this worker process is running now (the interceptor counts them).
+_RUNNING = 0
+
+
+def activities_running() -> int:
+    """How many activities this worker process is running now, the caller's own included (0 outside a worker:
+    an activity run without the interceptor, as a test environment runs one)."""
+    return _RUNNING
 
 
 def _outage_key() -> tuple[str, str, str]:
@@ -148,9 +156,11 @@ def classify(exc: BaseException) -> ApplicationError:
 
 class _Inbound(ActivityInboundInterceptor):
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        global _RUNNING
         if activity.info().attempt == 1:
             outage_over()  # a new activity: an outage an earlier one (of another run with its ids) saw is not its
         beat = asyncio.create_task(_heartbeat_forever()) if activity.info().heartbeat_timeout else None
+        _RUNNING += 1
         try:
             result = await super().execute_activity(input)
             outage_over()
@@ -184,6 +194,7 @@ class _Inbound(ActivityInboundInterceptor):
             )
             raise failure from None
         finally:
+            _RUNNING -= 1
             if beat is not None:
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

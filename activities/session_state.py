@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.failures import activities_running
 from activities.memo_log import MemoLog
 from activities.metrics import record_event
 from activities.provider import ModelProvider, ProviderSegment
@@ -647,17 +648,19 @@ class SessionState:
     def guess_reads(cache: SessionCache | None, epoch: int, recall_query: str | None) -> TurnReads | None:
         """What a build's read will bring, guessed from the memo: nothing logged since it, and the rest as the
         last read found it (the calibrations, the working-state writes, the checkpoint, the corrections, no
-        recall). None when the memo cannot guess: another activity of the session's run ran since this worker's
-        last (`_next_after`: on another worker, say, whose writes the memo has not seen), or a build from the
-        guess would read or write (an epoch or a session not memoised, recall not searched by the read, a recall
-        found last time, tool calls to seal).
+        recall). None when the worker runs other activities too (they take its loop while the read is on its way,
+        and other sessions' model calls move the route's calibration under a guess), when the memo cannot guess
+        (another activity of the session's run ran since this worker's last, `_next_after`: on another worker,
+        say, whose writes the memo has not seen), or when a build from the guess would read or write (an epoch or a
+        session not memoised, recall not searched by the read, a recall found last time, tool calls to seal).
 
         A guess is only ever used after the read confirms it (`guessed_right`): the build runs on it while the
-        read is on its way, so the read's round trip is spent building."""
+        read is on its way, so the read's round trip, which the worker would spend waiting, is spent building."""
         last = cache.last_reads if cache is not None else None
         if (
             cache is None
             or last is None
+            or activities_running() > 1
             or not _next_after(cache.last_activity, _running())
             or cache.open is None
             or epoch not in cache.prefixes

@@ -18,6 +18,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from activities import session_state
 from activities.providers import build_providers
 from activities.rows import RequestRecord, TurnReads
 from activities.session import SessionActivities
@@ -293,3 +294,19 @@ async def test_a_session_on_one_worker_builds_each_turn_after_its_first_on_the_g
         for k in range(4):
             await session_helpers.turn(handle, _plain_text(k))
     assert verdicts.seen == [True, True, True]
+
+
+async def test_a_worker_running_other_activities_does_not_guess(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that runs other activities meanwhile (other sessions' turns) does not guess: they take its loop while
+    the read is on its way, and their model calls move the route's calibration under the guess. With only the build
+    running, the same memo guesses."""
+    verdicts = Verdicts(monkeypatch, trusting=False)
+    async with Store.from_dsn(pg_dsn) as store:
+        session_id, turn, acts, _ = await _seeded(store)
+        await _turn(acts, session_id, turn, "What is the status of my order?")
+        monkeypatch.setattr(session_state, "activities_running", lambda: 3)
+        await _turn(acts, session_id, turn + 1, "Which trains go there?")
+        assert verdicts.seen == []
+        monkeypatch.setattr(session_state, "activities_running", lambda: 1)
+        await _turn(acts, session_id, turn + 2, "Which night trains go to Vienna?")
+        assert verdicts.seen == [True]
