@@ -11,7 +11,8 @@ A worker interceptor wraps every activity:
 The full traceback goes to the worker log; the failure Temporal stores stays far below the server's ~2 KB
 failure limit (a stack over it reaches the UI as `Failure exceeds size limit.` and hides the cause).
 It also heartbeats long activities, so a dead worker's work is retried after the heartbeat timeout, not after
-the start-to-close timeout.
+the start-to-close timeout, and counts the activities the worker runs (`activities_running`: a build guesses its
+read only while it runs alone, `SessionState.guess_reads`).
 """
 
 from __future__ import annotations
