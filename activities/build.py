@@ -77,8 +77,10 @@ class BuildActivities(BuildCalls):
         # is kept when the read confirms the guess (else it runs again on what was read).
         before = state.cached(inp.session_id)
         query = self._recall_query(inp)
-        guess = state.guess_reads(before, inp.epoch, query)
-        if before is None or guess is None or (inp.user_text is not None and self._message_id(inp) in before.by_id):
+        guess = state.guess_reads(
+            before, inp.epoch, query, self._message_id(inp) if inp.user_text is not None else None
+        )
+        if guess is None or before is None:  # (a guess implies a memo; `before` named for the type checker)
             open_, secret, cache, reads = await state.turn_reads(inp.session_id, inp.epoch, query)
             ready = await self._prepare(inp, open_, secret, cache, reads)
         else:

@@ -645,14 +645,17 @@ class SessionState:
         cache.last_activity = _running()
 
     @staticmethod
-    def guess_reads(cache: SessionCache | None, epoch: int, recall_query: str | None) -> TurnReads | None:
+    def guess_reads(
+        cache: SessionCache | None, epoch: int, recall_query: str | None, message_id: str | None
+    ) -> TurnReads | None:
         """What a build's read will bring, guessed from the memo: nothing logged since it, and the rest as the
         last read found it (the calibrations, the working-state writes, the checkpoint, the corrections, no
         recall). None when the worker runs other activities too (they take its loop while the read is on its way,
         and other sessions' model calls move the route's calibration under a guess), when the memo cannot guess
         (another activity of the session's run ran since this worker's last, `_next_after`: on another worker,
         say, whose writes the memo has not seen), or when a build from the guess would read or write (an epoch or a
-        session not memoised, recall not searched by the read, a recall found last time, tool calls to seal).
+        session not memoised, recall not searched by the read, a recall found last time, tool calls to seal, the
+        turn's message, `message_id`, logged already).
 
         A guess is only ever used after the read confirms it (`guessed_right`): the build runs on it while the
         read is on its way, so the read's round trip, which the worker would spend waiting, is spent building."""
@@ -668,6 +671,7 @@ class SessionState:
             or last.recall != []
             or cache.open_calls
             or cache.covered_calls
+            or message_id in cache.by_id
         ):
             return None
         return replace(last, recall=[])
