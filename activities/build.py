@@ -78,7 +78,11 @@ class BuildActivities(BuildCalls):
         before = state.cached(inp.session_id)
         query = self._recall_query(inp)
         guess = state.guess_reads(
-            before, inp.epoch, query, self._message_id(inp) if inp.user_text is not None else None
+            before,
+            inp.epoch,
+            query,
+            self._message_id(inp) if inp.user_text is not None else None,
+            (inp.turn, inp.call_index),
         )
         if guess is None or before is None:  # (a guess implies a memo; `before` named for the type checker)
             open_, secret, cache, reads = await state.turn_reads(inp.session_id, inp.epoch, query)
@@ -94,13 +98,15 @@ class BuildActivities(BuildCalls):
                     ahead = None
                 reads = await reading
             finally:
-                reading.cancel()  # when this call is cancelled first (a no-op once the read is done)
+                if not reading.done():  # this call was cancelled first: the read ends (its connection back in the
+                    reading.cancel()  # pool, its error taken) before the call does
+                    await asyncio.gather(reading, return_exceptions=True)
             open_, secret, cache = await state.adopt(inp.session_id, inp.epoch, before, reads)
             if ahead is not None and cache is before and state.guessed_right(guess, reads):
                 ready = ahead
             else:
                 ready = await self._prepare(inp, open_, secret, cache, reads)
-        state.ran(cache)
+        state.ran(cache, built=(inp.turn, inp.call_index))
         user_item_id, message, renders, estimator, prefix, plan, ri, body_in, body_segments, form = ready
         if prefix.escaping_fingerprint and prefix.escaping_fingerprint != ESCAPING_FINGERPRINT:
             # This worker escapes differently from the one that opened the epoch (a Unicode or package upgrade):

@@ -165,9 +165,11 @@ class SessionCache:
         # What the last build's read brought besides the log (its items and prefix left out): what the next build
         # guesses its read will bring (`SessionState.guess_reads`). And the last build or model call this worker
         # ran of the session (its workflow run's id, its activity id): a guess is made only by the activity the run
-        # scheduled next after it.
+        # scheduled next after it; and the last request it built (turn, call index): a build of the same request
+        # again (after a compaction, or the provider's refusal) does not guess.
         self.last_reads: TurnReads | None = None
         self.last_activity: tuple[str, str] | None = None
+        self.last_built: tuple[int, int] | None = None
 
     def _lasting(self, seg: Segment) -> bool:
         """Whether `seg` lives as long as the session (Region A, or a logged item's): only those are memoised,
@@ -639,23 +641,27 @@ class SessionState:
         return open_, secret, cache
 
     @staticmethod
-    def ran(cache: SessionCache) -> None:
+    def ran(cache: SessionCache, *, built: tuple[int, int] | None = None) -> None:
         """Note the running activity (a build or a model call, with its memo of the session in hand) as the last
-        this worker ran of the session."""
+        this worker ran of the session; a build, the request it builds (`built`: turn, call index)."""
         cache.last_activity = _running()
+        if built is not None:
+            cache.last_built = built
 
     @staticmethod
     def guess_reads(
-        cache: SessionCache | None, epoch: int, recall_query: str | None, message_id: str | None
+        cache: SessionCache | None, epoch: int, recall_query: str | None, message_id: str | None, call: tuple[int, int]
     ) -> TurnReads | None:
         """What a build's read will bring, guessed from the memo: nothing logged since it, and the rest as the
         last read found it (the calibrations, the working-state writes, the checkpoint, the corrections, no
         recall). None when the worker runs other activities too (they take its loop while the read is on its way,
         and other sessions' model calls move the route's calibration under a guess), when the memo cannot guess
         (another activity of the session's run ran since this worker's last, `_next_after`: on another worker,
-        say, whose writes the memo has not seen), or when a build from the guess would read or write (an epoch or a
-        session not memoised, recall not searched by the read, a recall found last time, tool calls to seal, the
-        turn's message, `message_id`, logged already).
+        say, whose writes the memo has not seen), when the build is of the request this worker built last (`call`:
+        turn, call index; built again because what it read changed: a compaction's checkpoint, the calibration a
+        provider's refusal raised), or when a build from the guess would read or write (an epoch or a session not
+        memoised, recall not searched by the read, a recall found last time, tool calls to seal, the turn's
+        message, `message_id`, logged already).
 
         A guess is only ever used after the read confirms it (`guessed_right`): the build runs on it while the
         read is on its way, so the read's round trip, which the worker would spend waiting, is spent building."""
@@ -665,6 +671,7 @@ class SessionState:
             or last is None
             or activities_running() > 1
             or not _next_after(cache.last_activity, _running())
+            or cache.last_built == call
             or cache.open is None
             or epoch not in cache.prefixes
             or recall_query is None

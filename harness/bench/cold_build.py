@@ -110,12 +110,14 @@ def _history(items: int) -> list[tuple[int, dict[str, Any]]]:
     return out[:items]
 
 
-async def seed(store: Store, items: int) -> tuple[str, int]:
-    """A session opened by the open activity with `items` logged items. Returns its id and its last turn."""
+async def seed(store: Store, items: int, open_: SessionOpen | None = None) -> tuple[str, int]:
+    """A session opened (as `open_`, `session_open()` by default) by the open activity with `items` logged items.
+    Returns its id and its last turn."""
     session_id = f"bench-cold-{items}-{uuid.uuid4().hex[:8]}"
     acts = SessionActivities(store, build_providers())
     await ActivityEnvironment().run(
-        acts.lifecycle.open_session, OpenInput(session_id=session_id, open=session_open(), owner=f"run-{session_id}")
+        acts.lifecycle.open_session,
+        OpenInput(session_id=session_id, open=open_ or session_open(), owner=f"run-{session_id}"),
     )
     _, _, cache = await acts.state.session(session_id)
     history = _history(items)

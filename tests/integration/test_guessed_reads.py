@@ -1,12 +1,13 @@
 """A build on a worker whose memo is current runs on its guess of what the read will bring while the read is on its
 way (`SessionState.guess_reads`), and keeps it only when the read brought exactly that (`guessed_right`). On a real
 PostgreSQL, the activities in an ActivityEnvironment (no Temporal): another worker changes what the next build reads
-(the log, the working state, a memory recall finds, the route's calibration) between two builds of this worker,
-whose memo cannot know; the build must show the change. With the read's confirmation taken away (the fault: every
-guess taken as right), each check fails."""
+(the log, the working state, a memory recall finds, the route's calibration, the checkpoint, a correction of a
+snapshot memory) between two builds of this worker, whose memo cannot know; the build must show the change. With
+the read's confirmation taken away (the fault: every guess taken as right), each check fails."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import uuid
@@ -25,6 +26,7 @@ from activities.session import SessionActivities
 from activities.session_state import SessionState
 from activities.store import Store
 from contract.payloads import BuildInput, MemoryInput, ModelInput, WorkingStateInput
+from core.compaction import Checkpoint
 from core.working_state import WorkingStateUpdate
 from harness.bench import cold_build
 from harness.bench.cold_build import session_open
@@ -116,19 +118,27 @@ async def _shows_working_state(acts: SessionActivities, store: Store, session_id
     assert text in record.inputs["working_state"], "the build did not show the working-state write"
 
 
-async def _write_memory(other: SessionActivities, session_id: str, turn: int) -> str:
+async def _memory(other: SessionActivities, session_id: str, turn: int, write: dict[str, Any]) -> None:
+    """A memory written by the other worker in the session's scope (an update's write)."""
+    open_, _, _ = await other.state.session(session_id)
     await ActivityEnvironment().run(
         other.memory.write_memory,
         MemoryInput.model_validate(
             {
                 "session_id": session_id,
-                "scope": session_open().memory_scope,
-                "write": {"text": "The user travels by night train to Vienna.", "memory_id": f"m{turn}"},
+                "scope": open_.memory_scope,
+                "write": write,
                 "update_id": f"mem{turn}",
                 "turn": turn,
                 "epoch": 1,
             }
         ),
+    )
+
+
+async def _write_memory(other: SessionActivities, session_id: str, turn: int) -> str:
+    await _memory(
+        other, session_id, turn, {"text": "The user travels by night train to Vienna.", "memory_id": f"m{turn}"}
     )
     return f"m{turn}"
 
@@ -137,6 +147,33 @@ async def _recalls_memory(acts: SessionActivities, store: Store, session_id: str
     record = await _record(store, session_id, turn)
     recalled = [m["memory_id"] for m in record.inputs["recall"]]
     assert memory_id in recalled, "the build did not recall the memory written since its memo"
+
+
+async def _correct_memory(other: SessionActivities, session_id: str, turn: int) -> str:
+    """A correction of the session's snapshot memory (`SNAPSHOT_MEMORY`), written by the other worker."""
+    write = {"text": "The user moved to Oslo.", "memory_id": f"c{turn}", "corrects": SNAPSHOT_MEMORY}
+    await _memory(other, session_id, turn, write)
+    return f"c{turn}"
+
+
+async def _shows_correction(acts: SessionActivities, store: Store, session_id: str, turn: int, memory_id: str) -> None:
+    record = await _record(store, session_id, turn)
+    corrections = [m["memory_id"] for m in record.inputs["corrections"]]
+    assert memory_id in corrections, "the build did not show the correction of its snapshot memory"
+
+
+async def _write_checkpoint(other: SessionActivities, session_id: str, turn: int) -> str:
+    """A checkpoint over the session's first two turns (positions 0-3), as another worker's compaction writes one."""
+    checkpoint = Checkpoint(
+        checkpoint_id=f"cp{turn}", depth=1, covers_from_seq=0, covers_to_seq=3, summary="The user asked about shards."
+    )
+    await other.state.store.put_checkpoint(session_id, checkpoint.model_dump(mode="json"))
+    return checkpoint.checkpoint_id
+
+
+async def _shows_checkpoint(acts: SessionActivities, store: Store, session_id: str, turn: int, cp: str) -> None:
+    record = await _record(store, session_id, turn)
+    assert record.inputs["checkpoint_id"] == cp, "the build did not take the checkpoint written since its memo"
 
 
 async def _move_calibration(other: SessionActivities, session_id: str, turn: int) -> float:
@@ -156,12 +193,21 @@ CHANGES: dict[str, tuple[Change, Check]] = {
     "working_state": (_write_working_state, _shows_working_state),
     "memory": (_write_memory, _recalls_memory),
     "calibration": (_move_calibration, _calibrated),
+    "checkpoint": (_write_checkpoint, _shows_checkpoint),
+    "correction": (_correct_memory, _shows_correction),
 }
+SNAPSHOT_MEMORY = "home"
 
 
 async def _seeded(store: Store) -> tuple[str, int, SessionActivities, SessionActivities]:
+    """A session of 12 logged items, in a memory scope of its own whose one memory (`SNAPSHOT_MEMORY`) its open took
+    into its snapshot; its next turn; this worker's activities and the other's."""
     await store.migrate()
-    session_id, last = await cold_build.seed(store, 12)
+    scope = f"guess-{uuid.uuid4().hex[:8]}"
+    await store.write_memory(
+        scope, SNAPSHOT_MEMORY, "The user lives in Bergen.", trust="USER", session_id=None, corrects=None
+    )
+    session_id, last = await cold_build.seed(store, 12, session_open().model_copy(update={"memory_scope": scope}))
     providers = build_providers()
     return session_id, last + 1, SessionActivities(store, providers), SessionActivities(store, providers)
 
@@ -310,3 +356,54 @@ async def test_a_worker_running_other_activities_does_not_guess(pg_dsn: str, mon
         monkeypatch.setattr(session_state, "activities_running", lambda: 1)
         await _turn(acts, session_id, turn + 2, "Which night trains go to Vienna?")
         assert verdicts.seen == [True]
+
+
+async def test_a_build_of_the_request_built_last_reads_first(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request this worker built last, built again (as the turn does after a compaction or the provider's
+    refusal, because what its read brings changed), reads before it builds: its guess, the last read, would be wrong
+    by design. It is the same request here (nothing changed), and the next turn's build guesses again."""
+    verdicts = Verdicts(monkeypatch, trusting=False)
+    async with Store.from_dsn(pg_dsn) as store:
+        session_id, turn, acts, _ = await _seeded(store)
+        await _turn(acts, session_id, turn, "What is the status of my order?")
+        build = BuildInput(
+            session_id=session_id, turn=turn + 1, call_index=0, epoch=1, now_iso=NOW, user_text="And the trains?"
+        )
+        first = await ActivityEnvironment().run(acts.build.build_context, build)
+        assert verdicts.seen == [True]
+        again = await ActivityEnvironment().run(
+            acts.build.build_context,
+            build.model_copy(update={"user_text": None, "user_item_id": first.user_item_id}),
+        )
+        assert verdicts.seen == [True]  # read first: no guess to judge
+        assert again.plan.request_sha256 == first.plan.request_sha256
+        await _turn(acts, session_id, turn + 2, "Which night trains go to Vienna?")
+        assert verdicts.seen == [True, True]
+
+
+async def test_a_build_cancelled_while_its_read_is_on_its_way_ends_the_read_first(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled (as Temporal cancels an activity) once its read is sent and before it builds on its guess: the read
+    is over when the build's call ends, and its connection back in the pool. Before, the read was cancelled and left
+    to end later, holding a connection past the activity (a race with the pool's close at the worker's shutdown)."""
+    async with Store.from_dsn(pg_dsn) as store:
+        session_id, turn, acts, _ = await _seeded(store)
+        await _turn(acts, session_id, turn, "What is the status of my order?")
+        env = ActivityEnvironment()
+        reading: list[asyncio.Task[Any]] = []
+        read_turn = acts.state.read_turn
+
+        async def cancelled_read(*args: Any, **kwargs: Any) -> TurnReads:
+            reading.append(asyncio.current_task())  # type: ignore[arg-type]
+            env.cancel()  # the build has sent its read and waits for its turn to build
+            return await read_turn(*args, **kwargs)
+
+        monkeypatch.setattr(acts.state, "read_turn", cancelled_read)
+        with pytest.raises(asyncio.CancelledError):
+            await env.run(
+                acts.build.build_context,
+                BuildInput(session_id=session_id, turn=turn + 1, call_index=0, epoch=1, now_iso=NOW, user_text="Hi?"),
+            )
+        assert len(reading) == 1 and reading[0].done()
+        assert store.pool.get_idle_size() == store.pool.get_size()
