@@ -118,8 +118,8 @@ async def _shows_working_state(acts: SessionActivities, store: Store, session_id
     assert text in record.inputs["working_state"], "the build did not show the working-state write"
 
 
-async def _memory(other: SessionActivities, session_id: str, turn: int, write: dict[str, Any]) -> None:
-    """A memory written by the other worker in the session's scope (an update's write)."""
+async def _memory(other: SessionActivities, session_id: str, turn: int, write: dict[str, Any]) -> str:
+    """A memory written by the other worker in the session's scope (an update's write); its id."""
     open_, _, _ = await other.state.session(session_id)
     await ActivityEnvironment().run(
         other.memory.write_memory,
@@ -134,31 +134,34 @@ async def _memory(other: SessionActivities, session_id: str, turn: int, write: d
             }
         ),
     )
+    return str(write["memory_id"])
+
+
+async def _memory_ids(store: Store, session_id: str, turn: int, shown_as: str) -> list[str]:
+    """The memories turn `turn`'s build showed as `shown_as` (its record's inputs: "recall" or "corrections")."""
+    record = await _record(store, session_id, turn)
+    return [m["memory_id"] for m in record.inputs[shown_as]]
 
 
 async def _write_memory(other: SessionActivities, session_id: str, turn: int) -> str:
-    await _memory(
+    return await _memory(
         other, session_id, turn, {"text": "The user travels by night train to Vienna.", "memory_id": f"m{turn}"}
     )
-    return f"m{turn}"
 
 
 async def _recalls_memory(acts: SessionActivities, store: Store, session_id: str, turn: int, memory_id: str) -> None:
-    record = await _record(store, session_id, turn)
-    recalled = [m["memory_id"] for m in record.inputs["recall"]]
+    recalled = await _memory_ids(store, session_id, turn, "recall")
     assert memory_id in recalled, "the build did not recall the memory written since its memo"
 
 
 async def _correct_memory(other: SessionActivities, session_id: str, turn: int) -> str:
     """A correction of the session's snapshot memory (`SNAPSHOT_MEMORY`), written by the other worker."""
     write = {"text": "The user moved to Oslo.", "memory_id": f"c{turn}", "corrects": SNAPSHOT_MEMORY}
-    await _memory(other, session_id, turn, write)
-    return f"c{turn}"
+    return await _memory(other, session_id, turn, write)
 
 
 async def _shows_correction(acts: SessionActivities, store: Store, session_id: str, turn: int, memory_id: str) -> None:
-    record = await _record(store, session_id, turn)
-    corrections = [m["memory_id"] for m in record.inputs["corrections"]]
+    corrections = await _memory_ids(store, session_id, turn, "corrections")
     assert memory_id in corrections, "the build did not show the correction of its snapshot memory"
 
 
