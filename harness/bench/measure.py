@@ -1,16 +1,19 @@
 """What the benches measure with: percentiles, PostgreSQL round trips counted at the pool, the time garbage
-collections take, a process's CPU time, and whether modules have current bytecode."""
+collections take, a process's CPU time, whether modules have current bytecode, and how long the disk takes to
+flush a write."""
 
 from __future__ import annotations
 
 import gc
 import importlib.util
 import math
+import os
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 from temporalio import activity
@@ -143,3 +146,46 @@ def compiled(sources: Sequence[str]) -> bool:
         if (mtime, size) != (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF):
             return False
     return bool(sources)
+
+
+FLUSH_BLOCK = 8192  # PostgreSQL's WAL page
+FLUSH_PROBES = 100
+FLUSH_QUIET_S = 0.010  # about the pause before each of a turn's two commits in the bench's latency phase
+
+
+class FlushLatency(NamedTuple):
+    """p50 milliseconds of an 8 kB write's `fdatasync`: one right after another, and one after a quiet pause."""
+
+    back_to_back_ms: float
+    after_quiet_ms: float
+
+
+def flush_latency(directory: Path, *, probes: int = FLUSH_PROBES, quiet_s: float = FLUSH_QUIET_S) -> FlushLatency:
+    """How long the disk under `directory` takes to flush a write, as a PostgreSQL commit waits for it (with
+    `synchronous_commit` on, a commit returns once its WAL page is written and `fdatasync`ed): `probes` flushes
+    back to back, then `probes` each after `quiet_s` without one. A file of `probes` blocks, written and synced
+    first (as PostgreSQL fills a WAL segment before using it), takes each write in turn, and is removed after.
+
+    Explanatory: a disk that answers a flush in microseconds when flushes come one after another may take a
+    millisecond after a pause (a virtual machine's disk here did), and a turn's commits come after pauses."""
+    fd, name = tempfile.mkstemp(prefix="ctxengine-flush-probe-", dir=directory)
+    try:
+        os.pwrite(fd, bytes(FLUSH_BLOCK * probes), 0)
+        os.fsync(fd)
+        block = os.urandom(FLUSH_BLOCK)
+
+        def p50(pause_s: float) -> float:
+            taken: list[float] = []
+            for k in range(probes):
+                if pause_s:
+                    time.sleep(pause_s)
+                os.pwrite(fd, block, FLUSH_BLOCK * k)
+                t0 = time.perf_counter()
+                os.fdatasync(fd)
+                taken.append((time.perf_counter() - t0) * 1000)
+            return percentile(taken, 50)
+
+        return FlushLatency(back_to_back_ms=p50(0.0), after_quiet_ms=p50(quiet_s))
+    finally:
+        os.close(fd)
+        os.unlink(name)

@@ -66,7 +66,15 @@ from harness.bench.floor_workflow import (
     FloorTurnResult,
     FloorWorkflow,
 )
-from harness.bench.measure import CountingPool, DbCounts, GcClock, compiled, percentile, process_cpu_s
+from harness.bench.measure import (
+    CountingPool,
+    DbCounts,
+    GcClock,
+    compiled,
+    flush_latency,
+    percentile,
+    process_cpu_s,
+)
 from harness.sessions import SCRIPTED
 from harness.worker_process import worker_process
 from worker import WORKFLOW_TASK_POLLS, SandboxedRunner, connect, running_worker, tuned_gc
@@ -662,6 +670,11 @@ async def _measure(
                     key = name.replace(".", "_")
                     out[f"engine_db_round_trips_per_turn_{key}"] = round(calls / turns, 2)
                     out[f"engine_db_ms_per_turn_{key}"] = _ms(seconds / turns)
+            # The disk's flush, in the temporary directory where the embedded services keep their data: each engine
+            # turn waits for two commits' flushes (the build's, the model call's), which the floor does not make.
+            flush = await asyncio.to_thread(flush_latency, Path(tempfile.gettempdir()))
+            out["disk_flush_p50_ms_back_to_back"] = round(flush.back_to_back_ms, 3)
+            out["disk_flush_p50_ms_after_quiet"] = round(flush.after_quiet_ms, 3)
             ratios["overhead_ratio"] = _ratio(out["engine_p50_ms"], out["floor_p50_ms"])
             ratios["p95_overhead_ratio"] = _ratio(out["engine_p95_ms"], out["floor_p95_ms"])
             ratios["two_workers_no_affinity_p50_ratio"] = _ratio(

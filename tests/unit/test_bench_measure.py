@@ -1,5 +1,5 @@
 """What the benches measure with (`harness.bench.measure`): the garbage collector's time while counted, a
-process's CPU time, and whether a module's bytecode is current."""
+process's CPU time, whether a module's bytecode is current, and the disk's flush latency."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import py_compile
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from harness.bench.measure import GcClock, compiled, process_cpu_s
+from harness.bench.measure import GcClock, compiled, flush_latency, process_cpu_s
 
 # Spins for 25 ms of its own CPU time, says so, then waits for stdin to close.
 SPIN = (
@@ -82,3 +83,25 @@ def test_a_process_of_several_threads_is_counted_by_its_user_and_system_time() -
     finally:
         stop.set()
         other.join()
+
+
+def test_the_flush_probe_times_flushes_back_to_back_and_after_a_pause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk whose flush takes 3 ms after 4 ms without one and nothing right after another: the probe reports
+    each case's own p50, flushes the file it wrote (and only it), and removes it."""
+    flushed: list[int] = []
+    last = [0.0]
+
+    def fdatasync(fd: int) -> None:
+        if time.perf_counter() - last[0] > 0.004:
+            time.sleep(0.003)
+        flushed.append(fd)
+        last[0] = time.perf_counter()
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    measured = flush_latency(tmp_path, probes=20, quiet_s=0.006)
+    assert measured.back_to_back_ms < 1.0
+    assert measured.after_quiet_ms >= 3.0
+    assert len(flushed) == 40 and len(set(flushed)) == 1
+    assert list(tmp_path.iterdir()) == []
