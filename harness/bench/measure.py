@@ -173,6 +173,7 @@ def flush_latency(directory: Path, *, probes: int = FLUSH_PROBES, quiet_s: float
         os.pwrite(fd, bytes(FLUSH_BLOCK * probes), 0)
         os.fsync(fd)
         block = os.urandom(FLUSH_BLOCK)
+        flush = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
         def p50(pause_s: float) -> float:
             taken: list[float] = []
@@ -181,7 +182,7 @@ def flush_latency(directory: Path, *, probes: int = FLUSH_PROBES, quiet_s: float
                     time.sleep(pause_s)
                 os.pwrite(fd, block, FLUSH_BLOCK * k)
                 t0 = time.perf_counter()
-                os.fdatasync(fd)
+                flush(fd)
                 taken.append((time.perf_counter() - t0) * 1000)
             return percentile(taken, 50)
 
